@@ -1,2 +1,343 @@
-// placeholder: kernels registered here
+// Partition planning (host logic, CPU only): who owns which parameter elements.
+//
+//   assign_params(numels, groups, world_size) -> rank of every param (whole-param sharding)
+//   flat_offsets(numels, world_size, alignment) -> aligned layout of the flat buffer
+//
+// Both ops read small int64 CPU tensors and run on the host whatever device the params live
+// on, so only a CPU kernel is registered: a CUDA kernel would not make sense here.
+// zero_ext/kernels/partition.py holds the Python twin of every step below (the test oracle):
+// any change here must be mirrored there, the tests compare exact assignments.
+#include <ATen/ATen.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace zero_ext {
+namespace {
+
+// Upper bound on local-search steps (partition.py: MAX_LOCAL_SEARCH_ITERS). Every step
+// strictly lowers the sum of squared rank loads, so the search ends anyway; the cap only
+// bounds the time on adversarial inputs.
+constexpr int64_t kMaxLocalSearchIters = 10000;
+
+// (numel, index) of one param; the unit that the sorts and the greedy walk over.
+using Item = std::pair<int64_t, int64_t>;
+using Items = std::vector<Item>;
+
+// All params sorted by numel descending, ties by index ascending: a stable LSD radix sort of
+// (numel, index) pairs (11-bit digits, as many passes as the largest numel needs).
+Items sort_by_numel_desc(const int64_t* numel, int64_t n) {
+  Items order(n), tmp(n);
+  int64_t max_numel = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    order[i] = {numel[i], i};
+    max_numel = std::max(max_numel, numel[i]);
+  }
+  constexpr int kBits = 11;
+  constexpr int64_t kBuckets = int64_t{1} << kBits;
+  std::vector<int64_t> count(kBuckets);
+  for (int shift = 0; shift < 63 && (max_numel >> shift) != 0; shift += kBits) {
+    std::fill(count.begin(), count.end(), 0);
+    for (const Item& it : order) ++count[(it.first >> shift) & (kBuckets - 1)];
+    // Descending digits: bucket kBuckets-1 first. Stable, so earlier passes' order holds.
+    int64_t pos = 0;
+    for (int64_t d = kBuckets - 1; d >= 0; --d) {
+      const int64_t c = count[d];
+      count[d] = pos;
+      pos += c;
+    }
+    for (const Item& it : order) tmp[count[(it.first >> shift) & (kBuckets - 1)]++] = it;
+    order.swap(tmp);
+  }
+  return order;
+}
+
+// torch's processing order: groups by ascending id; inside a group numel descending with a
+// stable sort (ties by index). A stable counting sort by group of the global order gives it.
+Items sort_by_group(const Items& global, const int64_t* group, int64_t n) {
+  if (n == 0) return {};
+  int64_t gmin = group[0], gmax = group[0];
+  for (int64_t i = 1; i < n; ++i) {
+    gmin = std::min(gmin, group[i]);
+    gmax = std::max(gmax, group[i]);
+  }
+  if (gmin == gmax) return global;
+  // Group ids are arbitrary int64; compact them first when their range is large.
+  std::vector<int64_t> key(n);
+  int64_t num_keys;
+  if (gmax - gmin <= 4 * n + 1024) {
+    for (int64_t i = 0; i < n; ++i) key[i] = group[i] - gmin;
+    num_keys = gmax - gmin + 1;
+  } else {
+    std::vector<int64_t> ids(group, group + n);
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    for (int64_t i = 0; i < n; ++i)
+      key[i] = std::lower_bound(ids.begin(), ids.end(), group[i]) - ids.begin();
+    num_keys = static_cast<int64_t>(ids.size());
+  }
+  std::vector<int64_t> start(num_keys + 1, 0);
+  for (int64_t i = 0; i < n; ++i) ++start[key[i] + 1];
+  for (int64_t k = 0; k < num_keys; ++k) start[k + 1] += start[k];
+  Items out(n);
+  for (const Item& it : global) out[start[key[it.second]]++] = it;
+  return out;
+}
+
+// Min over (load, rank) of world_size ranks with O(log W) updates: a tournament tree whose
+// nodes hold the winning (load, rank) pair itself (no indirection on the hot path).
+class LeastLoaded {
+ public:
+  explicit LeastLoaded(int64_t world) : leaves_(1) {
+    while (leaves_ < world) leaves_ *= 2;
+    tree_.assign(2 * leaves_, Item{std::numeric_limits<int64_t>::max(), 0});
+    for (int64_t r = 0; r < leaves_; ++r)
+      tree_[leaves_ + r] = {r < world ? 0 : std::numeric_limits<int64_t>::max(), r};
+    for (int64_t node = leaves_ - 1; node >= 1; --node) pull(node);
+  }
+  int64_t argmin() const { return tree_[1].second; }
+  void add(int64_t rank, int64_t amount) {
+    tree_[leaves_ + rank].first += amount;
+    for (int64_t node = (leaves_ + rank) / 2; node >= 1; node /= 2) pull(node);
+  }
+  int64_t load(int64_t rank) const { return tree_[leaves_ + rank].first; }
+
+ private:
+  // Pairs compare by load, then rank: ties go to the lower rank.
+  void pull(int64_t node) { tree_[node] = std::min(tree_[2 * node], tree_[2 * node + 1]); }
+  int64_t leaves_;
+  Items tree_;
+};
+
+// Each param in `order` goes to the least-loaded rank, the lowest rank on ties.
+std::vector<int64_t> greedy(const Items& order, int64_t n, int64_t world,
+                            std::vector<int64_t>& loads) {
+  LeastLoaded heap(world);
+  std::vector<int64_t> owner(n);
+  for (const Item& it : order) {
+    const int64_t r = heap.argmin();
+    owner[it.second] = r;
+    heap.add(r, it.first);
+  }
+  loads.resize(world);
+  for (int64_t r = 0; r < world; ++r) loads[r] = heap.load(r);
+  return owner;
+}
+
+int64_t max_of(const std::vector<int64_t>& v) {
+  return v.empty() ? 0 : *std::max_element(v.begin(), v.end());
+}
+
+// Items of one rank: (numel, index) pairs of its non-empty params in ascending order, so that
+// the first entry of a run of equal numels holds the smallest index of that size.
+constexpr int64_t kLo = std::numeric_limits<int64_t>::min();
+constexpr int64_t kHi = std::numeric_limits<int64_t>::max();
+
+// First item with numel >= s (its index is the smallest of that numel), or end.
+Items::const_iterator first_at_least(const Items& v, int64_t s) {
+  return std::lower_bound(v.begin(), v.end(), Item{s, kLo});
+}
+// First item of the largest numel <= s, or end when there is none.
+Items::const_iterator first_of_largest_at_most(const Items& v, int64_t s) {
+  auto it = std::upper_bound(v.begin(), v.end(), Item{s, kHi});
+  if (it == v.begin()) return v.end();
+  return first_at_least(v, std::prev(it)->first);
+}
+
+void erase_item(Items& v, Item item) { v.erase(std::lower_bound(v.begin(), v.end(), item)); }
+void insert_item(Items& v, Item item) {
+  v.insert(std::lower_bound(v.begin(), v.end(), item), item);
+}
+
+// A candidate step between the heaviest rank h and rank r: move p (q < 0) or swap p <-> q.
+// Ordered by resulting max(load_h', load_r'), then move before swap, then smaller indices.
+struct Step {
+  int64_t value = kHi;
+  bool is_swap = false;
+  int64_t p = -1, q = -1;
+  int64_t p_numel = 0, q_numel = 0;
+  bool better_than(const Step& o) const {
+    if (value != o.value) return value < o.value;
+    if (is_swap != o.is_swap) return !is_swap;
+    if (p != o.p) return p < o.p;
+    return q < o.q;
+  }
+};
+
+Step best_step(const Items& vh, const Items& vr, int64_t lh, int64_t lr) {
+  const int64_t gap = lh - lr;  // >= 2
+  const int64_t half_lo = gap / 2, half_hi = gap - gap / 2;
+  Step best;
+  auto offer = [&](Step s) {
+    if (s.better_than(best)) best = s;
+  };
+  // Moves: numel s in [1, gap - 1]; closest to gap/2 from each side.
+  auto lo = first_of_largest_at_most(vh, half_lo);
+  if (lo != vh.end()) offer(Step{lh - lo->first, false, lo->second, -1, lo->first, 0});
+  auto hi = first_at_least(vh, half_hi);
+  if (hi != vh.end() && hi->first < gap)
+    offer(Step{lr + hi->first, false, hi->second, -1, hi->first, 0});
+  if (best.value == lr + half_hi) return best;  // perfect split; a swap can only tie
+  // Swaps: d = a - b in [1, gap - 1] for a on h, b on r; per distinct a the b closest on
+  // each side of a - gap/2.
+  for (auto it = vh.begin(); it != vh.end();) {
+    const int64_t a = it->first, p = it->second;
+    if (a >= 2) {
+      auto b1 = first_at_least(vr, std::max<int64_t>(1, a - half_lo));
+      if (b1 != vr.end() && b1->first <= a - 1) {
+        const int64_t d = a - b1->first;
+        offer(Step{lh - d, true, p, b1->second, a, b1->first});
+      }
+      auto b2 = first_of_largest_at_most(vr, a - half_hi);
+      if (b2 != vr.end() && b2->first >= std::max<int64_t>(1, a - gap + 1)) {
+        const int64_t d = a - b2->first;
+        offer(Step{lr + d, true, p, b2->second, a, b2->first});
+      }
+    }
+    it = std::upper_bound(it, vh.end(), Item{a, kHi});  // next distinct numel
+  }
+  return best;
+}
+
+void local_search(const int64_t* numel, int64_t n, int64_t world, std::vector<int64_t>& owner,
+                  std::vector<int64_t>& loads, const Items& desc_order) {
+  int64_t total = 0, max_numel = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    total += numel[i];
+    max_numel = std::max(max_numel, numel[i]);
+  }
+  const int64_t bound = std::max((total + world - 1) / world, max_numel);
+  if (world < 2 || max_of(loads) <= bound) return;
+
+  // Per-rank ascending (numel, index) lists, built in O(n) from the descending order: walk
+  // its runs of equal numel backwards, each run forwards (indices ascending).
+  std::vector<Items> items(world);
+  std::vector<int64_t> per_rank(world, 0);
+  for (int64_t i = 0; i < n; ++i)
+    if (numel[i] > 0) ++per_rank[owner[i]];
+  for (int64_t r = 0; r < world; ++r) items[r].reserve(per_rank[r]);
+  for (int64_t end = n; end > 0;) {
+    int64_t begin = end - 1;
+    const int64_t s = desc_order[begin].first;
+    while (begin > 0 && desc_order[begin - 1].first == s) --begin;
+    if (s > 0)
+      for (int64_t k = begin; k < end; ++k) items[owner[desc_order[k].second]].push_back(desc_order[k]);
+    end = begin;
+  }
+
+  std::vector<int64_t> others;
+  others.reserve(world);
+  for (int64_t iter = 0; iter < kMaxLocalSearchIters; ++iter) {
+    const int64_t h = std::max_element(loads.begin(), loads.end()) - loads.begin();
+    if (loads[h] <= bound) return;
+    others.clear();
+    for (int64_t r = 0; r < world; ++r)
+      if (r != h) others.push_back(r);
+    std::sort(others.begin(), others.end(), [&](int64_t a, int64_t b) {
+      return loads[a] != loads[b] ? loads[a] < loads[b] : a < b;
+    });
+    bool applied = false;
+    for (int64_t r : others) {
+      if (loads[h] - loads[r] < 2) break;  // ascending loads: no later rank can help
+      const Step s = best_step(items[h], items[r], loads[h], loads[r]);
+      if (s.p < 0) continue;
+      erase_item(items[h], {s.p_numel, s.p});
+      insert_item(items[r], {s.p_numel, s.p});
+      owner[s.p] = r;
+      int64_t delta = s.p_numel;
+      if (s.is_swap) {
+        erase_item(items[r], {s.q_numel, s.q});
+        insert_item(items[h], {s.q_numel, s.q});
+        owner[s.q] = h;
+        delta -= s.q_numel;
+      }
+      loads[h] -= delta;
+      loads[r] += delta;
+      applied = true;
+      break;
+    }
+    if (!applied) return;
+  }
+}
+
+void check_int64_1d_cpu(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kLong, op, ": ", name, " must be int64, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == 1, op, ": ", name, " must be 1-D, got ", t.dim(), "-D");
+}
+
+void check_numels(const at::Tensor& numels, const char* op) {
+  const int64_t* p = numels.data_ptr<int64_t>();
+  for (int64_t i = 0; i < numels.numel(); ++i)
+    TORCH_CHECK(p[i] >= 0, op, ": numels[", i, "] = ", p[i], " is negative");
+}
+
+at::Tensor assign_params_cpu(const at::Tensor& numels_in, const at::Tensor& groups_in,
+                             int64_t world_size) {
+  check_int64_1d_cpu(numels_in, "assign_params", "numels");
+  check_int64_1d_cpu(groups_in, "assign_params", "groups");
+  TORCH_CHECK(numels_in.numel() == groups_in.numel(),
+              "assign_params: numels and groups must have the same length, got ",
+              numels_in.numel(), " and ", groups_in.numel());
+  TORCH_CHECK(world_size >= 1, "assign_params: world_size must be >= 1, got ", world_size);
+  const at::Tensor numels = numels_in.contiguous();
+  const at::Tensor groups = groups_in.contiguous();
+  check_numels(numels, "assign_params");
+  const int64_t n = numels.numel();
+  const int64_t* numel = numels.data_ptr<int64_t>();
+  const int64_t* group = groups.data_ptr<int64_t>();
+
+  at::Tensor out = at::zeros({n}, numels.options());
+  if (n == 0 || world_size == 1) return out;
+
+  // Candidate A: torch's per-group rule. Candidate B: LPT over all params at once.
+  const Items desc = sort_by_numel_desc(numel, n);
+  std::vector<int64_t> loads_a, loads_b;
+  std::vector<int64_t> owner_a = greedy(sort_by_group(desc, group, n), n, world_size, loads_a);
+  const bool one_group = std::all_of(group, group + n, [&](int64_t g) { return g == group[0]; });
+  // With one group the two candidates coincide.
+  std::vector<int64_t> owner_b = one_group ? std::vector<int64_t>{}
+                                           : greedy(desc, n, world_size, loads_b);
+  const bool use_b = !one_group && max_of(loads_b) < max_of(loads_a);
+  std::vector<int64_t>& owner = use_b ? owner_b : owner_a;
+  std::vector<int64_t>& loads = use_b ? loads_b : loads_a;
+  local_search(numel, n, world_size, owner, loads, desc);
+  std::copy(owner.begin(), owner.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
+at::Tensor flat_offsets_cpu(const at::Tensor& numels_in, int64_t world_size, int64_t alignment) {
+  check_int64_1d_cpu(numels_in, "flat_offsets", "numels");
+  TORCH_CHECK(world_size >= 1, "flat_offsets: world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(alignment >= 1, "flat_offsets: alignment must be >= 1, got ", alignment);
+  const at::Tensor numels = numels_in.contiguous();
+  check_numels(numels, "flat_offsets");
+  const int64_t n = numels.numel();
+  const int64_t* numel = numels.data_ptr<int64_t>();
+  at::Tensor out = at::empty({n + 1}, numels.options());
+  int64_t* off = out.data_ptr<int64_t>();
+  int64_t cursor = 0, end = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t start = (cursor + alignment - 1) / alignment * alignment;
+    off[i] = start;
+    end = start + numel[i];
+    cursor = end;
+  }
+  const int64_t unit = world_size * alignment;  // each rank's shard: a multiple of alignment
+  off[n] = (end + unit - 1) / unit * unit;      // 0 when there is no element at all
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zero_ext, CPU, m) {
+  m.impl("assign_params", &assign_params_cpu);
+  m.impl("flat_offsets", &flat_offsets_cpu);
+}
+
+}  // namespace zero_ext

@@ -1,0 +1,471 @@
+"""ZeroRedundancyOptimizer: ZeRO stage 1 (optimizer-state sharding), drop-in for torch's.
+
+The path of a step: param_groups (groups.py) -> ownership and buckets (layout.py) ->
+local step on this rank's share (optimizer_class, or the fused multi-group AdamW) ->
+exchange of every rank's updated range (sync.py). Checkpoints in torch's format live in
+state.py.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.optim import Optimizer
+
+from . import groups as groups_mod
+from . import kernels, layout, state
+from .sync import Exchanger, wait_all
+
+logger = logging.getLogger("zero_ext")
+
+SHARDING_MODES = ("auto", "param", "flat")
+# Optimizers whose update of an element depends only on that element (plus per-param
+# scalars such as the step): only these may split a parameter between ranks.
+_ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad",
+                "Adadelta", "Rprop", "ASGD"}
+AUTO_FLAT_THRESHOLD = 1.05  # max/mean whole-param load above which "auto" picks "flat"
+
+
+def is_elementwise(optimizer_class: type) -> bool:
+    from .fused_adamw import FusedAdamW
+
+    if isinstance(optimizer_class, type) and issubclass(optimizer_class, FusedAdamW):
+        return True
+    return (getattr(optimizer_class, "__module__", "").startswith("torch.optim")
+            and optimizer_class.__name__ in _ELEMENTWISE)
+
+
+class _ZeroJoinHook(JoinHook):
+    """A joined rank keeps stepping (on the grads DDP's own hook provides) so that its
+    collectives match the ranks still training."""
+
+    def __init__(self, zero: "ZeroRedundancyOptimizer"):
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero.step()
+
+
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
+    """Shard the state of ``optimizer_class`` over the ranks of ``process_group``.
+
+    Same signature and behaviour as ``torch.distributed.optim.ZeroRedundancyOptimizer``,
+    plus: param-group dicts validated on every rank (with a cross-rank check), mixed dtypes,
+    a better-balanced partition, element-level sharding (``sharding="flat"``), a fused
+    multi-group AdamW step, and consolidation that sends state only to the target rank.
+    """
+
+    def __init__(self, params, optimizer_class: type, process_group: Any = None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
+                 *, sharding: str = "auto", **defaults: Any):
+        self._initialized = False
+        if overlap_with_ddp:
+            raise NotImplementedError(
+                "zero_ext.ZeroRedundancyOptimizer does not implement overlap_with_ddp=True yet; "
+                "use overlap_with_ddp=False (the step already overlaps its own communication)")
+        if process_group is None and not dist.is_initialized():
+            self.process_group, self.world_size, self.rank = None, 1, 0  # plain single process
+        else:
+            self.process_group = process_group if process_group is not None else dist.group.WORLD
+            self.world_size = dist.get_world_size(self.process_group)
+            self.rank = dist.get_rank(self.process_group)
+        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+
+        # Validate locally, then agree across ranks before anything else is collective.
+        error, lines, groups = None, [], []
+        try:
+            if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+                raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass, got "
+                                f"{optimizer_class!r}")
+            if sharding not in SHARDING_MODES:
+                raise ValueError(f"sharding must be one of {SHARDING_MODES}, got {sharding!r}")
+            if sharding == "flat" and not is_elementwise(optimizer_class):
+                raise ValueError(
+                    f"sharding='flat' splits parameters between ranks, which is exact only for "
+                    f"elementwise optimizers; {optimizer_class.__name__} is not known to be one. "
+                    "Use sharding='param'.")
+            groups = groups_mod.normalize_param_groups(params)
+            groups_mod.validate_hyperparameters(optimizer_class, groups, defaults)
+            if sharding == "flat":
+                for g in groups:
+                    if any(not p.is_contiguous() for p in g["params"]):
+                        raise ValueError("sharding='flat' needs contiguous parameters")
+            lines = groups_mod.describe(groups, {
+                "optimizer_class": optimizer_class.__qualname__, "sharding": sharding,
+                "parameters_as_bucket_view": bool(parameters_as_bucket_view),
+                "defaults": sorted(defaults.items())})
+        except Exception as exc:  # noqa: BLE001 - re-raised after the other ranks know
+            error = exc
+        self._agree_across_ranks(error, lines)
+
+        self._optimizer_class = optimizer_class
+        self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
+        self._overlap_with_ddp = False
+        super().__init__(groups, defaults)  # fills defaults into the groups
+        Joinable.__init__(self)
+        self._all_params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._group_of: list[int] = [gi for gi, g in enumerate(self.param_groups)
+                                     for _ in g["params"]]
+        self._default_device = self._all_params[0].device
+        self._exchanger = Exchanger(self.process_group, self.rank, self.world_size)
+
+        self.sharding = self._resolve_sharding(sharding)
+        self._owner: list[int] = []          # param mode: rank of every param
+        self._generations: list[list[int]] = []  # param ids added by each constructor/add call
+        self._buckets: list[layout.Bucket] = []
+        self._buffers: dict[int, torch.Tensor] = {}   # bucket index -> flat buffer (views on)
+        self._shards: list[dict] = []        # flat mode: per bucket {storage, grad, runs}
+        self._consolidated: dict | None = None
+        self._is_trainable_mask = self._trainable_mask()
+
+        self._add_generation(list(range(len(self._all_params))), initial=True)
+        self.optim = optimizer_class(self._local_groups(), **defaults)
+        self._stepper = self._make_fused_stepper()
+        self._initialized = True
+
+    # ------------------------------------------------------------------ construction
+
+    def _agree_across_ranks(self, error: BaseException | None, lines: list[str]) -> None:
+        """One small collective so that bad or mismatched input stops every rank."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        mine = (None if error is None else f"{type(error).__name__}: {error}",
+                groups_mod.digest(lines))
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.process_group)
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+        if failed:
+            r, e = failed[0]
+            raise RuntimeError(
+                f"ZeroRedundancyOptimizer: rank {r} rejected its arguments ({e}); every rank "
+                "stops here instead of hanging in a later collective")
+        digests = [d for _, d in gathered]
+        if len(set(digests)) > 1:
+            everyone: list = [None] * self.world_size
+            dist.all_gather_object(everyone, lines, group=self.process_group)
+            diffs = [f"rank {r}: {groups_mod.first_difference(everyone[0], everyone[r])}"
+                     for r in range(1, self.world_size) if digests[r] != digests[0]]
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer: ranks were given different parameters, groups or "
+                "hyperparameters (compared with rank 0): " + "; ".join(diffs))
+
+    def _resolve_sharding(self, sharding: str) -> str:
+        if sharding != "auto":
+            return sharding
+        if self.world_size == 1 or not is_elementwise(self._optimizer_class) or any(
+                not p.is_contiguous() for p in self._all_params):
+            return layout.PARAM
+        numels = [p.numel() for p in self._all_params]
+        owners = layout.assign_owners(numels, self._group_of, self.world_size)
+        loads = [0] * self.world_size
+        for n, r in zip(numels, owners):
+            loads[r] += n
+        mean = sum(loads) / self.world_size
+        ratio = max(loads) / mean if mean else 1.0
+        choice = layout.FLAT if ratio > AUTO_FLAT_THRESHOLD else layout.PARAM
+        logger.info("zero_ext: sharding='auto' chose %r (whole-param max/mean load %.3f, "
+                    "threshold %.2f)", choice, ratio, AUTO_FLAT_THRESHOLD)
+        return choice
+
+    def _trainable_mask(self) -> list[bool]:
+        return [p.requires_grad for p in self._all_params]
+
+    def _add_generation(self, ids: list[int], initial: bool) -> None:
+        """Place params `ids` (all new): owners, buckets, flat shards."""
+        numels = [self._all_params[i].numel() for i in ids]
+        if self.sharding == layout.PARAM:
+            if initial:
+                owners = layout.assign_owners(numels, [self._group_of[i] for i in ids],
+                                              self.world_size)
+            else:
+                owners = layout.extend_owners(self._rank_loads(), numels)
+            self._owner.extend(owners)
+        self._generations.append(ids)
+        self._build_generation_buckets(ids)
+
+    def _rank_loads(self) -> list[int]:
+        loads = [0] * self.world_size
+        for p, r in zip(self._all_params, self._owner):
+            loads[r] += p.numel()
+        return loads
+
+    def _build_generation_buckets(self, ids: list[int]) -> None:
+        params = self._all_params
+        if self.sharding == layout.PARAM:
+            # Frozen params never change, so they stay out of the buckets and the sync.
+            live = [i for i in ids if params[i].requires_grad]
+            new = layout.param_mode_buckets(params, live, self._owner, self.world_size)
+        else:
+            new = layout.flat_mode_buckets(params, ids, self.world_size)
+        for b in new:
+            bi = len(self._buckets)
+            self._buckets.append(b)
+            if self.parameters_as_bucket_view or self.sharding == layout.FLAT:
+                self._attach_buffer(bi)
+            if self.sharding == layout.FLAT:
+                self._shards.append(self._make_shard(bi))
+
+    def _attach_buffer(self, bi: int) -> None:
+        """Flat buffer of bucket `bi`, filled from the params; with bucket views the params
+        become views into it (flat mode without views keeps only this rank's range)."""
+        b = self._buckets[bi]
+        tensors = [self._all_params[i].detach() for i in b.param_ids]
+        if self.parameters_as_bucket_view:
+            buf = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+            kernels.flatten_into(tensors, buf, b.offsets)
+            for pid, off, n in zip(b.param_ids, b.offsets, b.numels):
+                p = self._all_params[pid]
+                p.data = buf[off:off + n].view_as(p)
+            self._buffers[bi] = buf
+        else:  # flat mode, no views: a private copy of this rank's range only
+            lo, hi = b.rank_ranges[self.rank]
+            buf = torch.zeros(hi - lo, dtype=b.dtype, device=b.device)
+            pieces = b.pieces(self.rank)
+            kernels.flatten_into([self._piece_view(pc) for pc in pieces], buf,
+                                 [pc.bucket_start - lo for pc in pieces])
+            self._buffers[bi] = buf
+
+    def _my_range_storage(self, bi: int) -> torch.Tensor:
+        b = self._buckets[bi]
+        lo, hi = b.rank_ranges[self.rank]
+        buf = self._buffers[bi]
+        return buf[lo:hi] if self.parameters_as_bucket_view else buf
+
+    def _make_shard(self, bi: int) -> dict:
+        """Flat mode: this rank's range of bucket `bi` cut into one run per param group,
+        each run a 1-D tensor the local optimizer steps, with a grad buffer beside it."""
+        b = self._buckets[bi]
+        lo, _ = b.rank_ranges[self.rank]
+        storage = self._my_range_storage(bi)
+        grad = torch.zeros_like(storage)
+        runs: list[dict] = []
+        for pc in b.pieces(self.rank):
+            g = self._group_of[pc.param_id]
+            start, end = pc.bucket_start - lo, pc.bucket_start - lo + pc.length
+            if runs and runs[-1]["group"] == g:
+                runs[-1]["end"] = end
+                runs[-1]["pieces"].append(pc)
+            else:
+                runs.append({"group": g, "start": start, "end": end, "pieces": [pc]})
+        for run in runs:
+            run["param"] = storage[run["start"]:run["end"]]
+            run["grad"] = grad[run["start"]:run["end"]]
+        return {"bucket": bi, "lo": lo, "storage": storage, "grad": grad, "runs": runs}
+
+    def _piece_view(self, pc: layout.Piece) -> torch.Tensor:
+        p = self._all_params[pc.param_id].detach()
+        if pc.start == 0 and pc.length == p.numel():
+            return p.view(-1) if p.is_contiguous() else p
+        return p.view(-1)[pc.start:pc.start + pc.length]
+
+    def _local_groups(self) -> list[dict]:
+        """One local group per global group (possibly empty), hyperparameters included."""
+        out = []
+        for gi, g in enumerate(self.param_groups):
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            out.append({**hyper, "params": self._local_params_of_group(gi)})
+        return out
+
+    def _local_params_of_group(self, gi: int) -> list[torch.Tensor]:
+        if self.sharding == layout.PARAM:
+            return [p for p, g, r in zip(self._all_params, self._group_of, self._owner)
+                    if g == gi and r == self.rank]
+        return [run["param"] for sh in self._shards for run in sh["runs"] if run["group"] == gi]
+
+    def _make_fused_stepper(self):
+        """The fused multi-group AdamW replaces optimizer_class's step when it computes the
+        same update and a compiled kernel exists for the params' device."""
+        from .fused_adamw import FusedAdamW, MultiGroupAdamW, fused_path_supported
+
+        cls = self._optimizer_class
+        if issubclass(cls, FusedAdamW):
+            return None  # its own step is the fused one
+        if not all(fused_path_supported(cls, g) for g in self.optim.param_groups):
+            return None
+        devices = {p.device for p in self._all_params}
+        if not all(kernels.native_available("fused_adamw_", d) for d in devices):
+            return None
+        return MultiGroupAdamW(cls)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def local_numel(self) -> int:
+        """Parameter elements whose optimizer state this rank holds."""
+        if self.sharding == layout.PARAM:
+            return sum(p.numel() for p, r in zip(self._all_params, self._owner) if r == self.rank)
+        return sum(pc.length for b in self._buckets for pc in b.pieces(self.rank))
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not self._initialized:
+            return super().add_param_group(param_group)
+        error, group = None, None
+        try:
+            if not isinstance(param_group, dict):
+                raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+            group = groups_mod.normalize_param_groups([param_group])[0]
+            known = {id(p) for p in self._all_params}
+            if any(id(p) in known for p in group["params"]):
+                raise ValueError("a parameter appears more than once: some params of the new "
+                                 "group are already in another group")
+            groups_mod.validate_hyperparameters(self._optimizer_class, [group], self.defaults)
+            lines = groups_mod.describe([group], {"add_param_group": len(self.param_groups)})
+        except Exception as exc:  # noqa: BLE001
+            error, lines = exc, []
+        self._agree_across_ranks(error, lines)
+
+        super().add_param_group(group)
+        gi = len(self.param_groups) - 1
+        ids = list(range(len(self._all_params), len(self._all_params) + len(group["params"])))
+        self._all_params.extend(group["params"])
+        self._group_of.extend([gi] * len(group["params"]))
+        self._is_trainable_mask = self._trainable_mask()
+        self._add_generation(ids, initial=False)
+        hyper = {k: v for k, v in self.param_groups[gi].items() if k != "params"}
+        self.optim.add_param_group({**hyper, "params": self._local_params_of_group(gi)})
+
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any):
+        """Local step on this rank's share, then every rank's update reaches every rank."""
+        Join.notify_join_context(self)
+        mask = self._trainable_mask()
+        if mask != self._is_trainable_mask:
+            logger.warning("zero_ext: the trainable parameters changed; rebuilding buckets")
+            self._rebuild_buckets()
+            self._is_trainable_mask = mask
+        self._copy_hyperparameters(self.param_groups, self.optim.param_groups)
+        loss = self._local_step(closure, **kwargs)
+        self._copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        self._sync_params()
+        return loss
+
+    def _local_step(self, closure, **kwargs):
+        if self._stepper is None and self.sharding == layout.PARAM:
+            return self.optim.step(closure, **kwargs) if closure is not None \
+                else self.optim.step(**kwargs)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.sharding == layout.FLAT:
+            self._gather_shard_grads()
+        if self._stepper is not None and not kwargs:
+            self._stepper.step(self.optim.param_groups, self.optim.state)
+        else:
+            self.optim.step(**kwargs)
+        return loss
+
+    def _gather_shard_grads(self) -> None:
+        """Flat mode: copy the grads of this rank's pieces into the runs' grad buffers."""
+        for sh in self._shards:
+            for run in sh["runs"]:
+                tensors, offsets, any_grad = [], [], False
+                for pc in run["pieces"]:
+                    g = self._all_params[pc.param_id].grad
+                    rel = pc.bucket_start - sh["lo"] - run["start"]
+                    if g is None:
+                        run["grad"][rel:rel + pc.length].zero_()
+                        continue
+                    any_grad = True
+                    tensors.append(g.reshape(-1)[pc.start:pc.start + pc.length])
+                    offsets.append(rel)
+                if any_grad:
+                    kernels.flatten_into(tensors, run["grad"], offsets)
+                run["param"].grad = run["grad"] if any_grad else None
+
+    @staticmethod
+    def _copy_hyperparameters(src: list[dict], dst: list[dict]) -> None:
+        for s, d in zip(src, dst):
+            for k, v in s.items():
+                if k != "params":
+                    d[k] = v
+
+    def _rebuild_buckets(self) -> None:
+        if self.sharding == layout.FLAT:
+            return  # flat buckets hold every param, trainable or not
+        self._buckets, self._buffers = [], {}
+        for ids in self._generations:
+            self._build_generation_buckets(ids)
+
+    def _sync_params(self) -> None:
+        """Send this rank's updated range of every bucket to all ranks."""
+        if self.world_size == 1:
+            if self.sharding == layout.FLAT and not self.parameters_as_bucket_view:
+                self._scatter_own_ranges()
+            return
+        works, received = [], []
+        for bi, b in enumerate(self._buckets):
+            if self.parameters_as_bucket_view:
+                full = self._buffers[bi]
+                regions = [full[lo:hi] for lo, hi in b.rank_ranges]
+                works += self._exchanger.exchange(regions, full)
+                continue
+            regions = []
+            for r, (lo, hi) in enumerate(b.rank_ranges):
+                if r != self.rank:
+                    regions.append(torch.empty(hi - lo, dtype=b.dtype, device=b.device))
+                elif self.sharding == layout.FLAT:
+                    regions.append(self._buffers[bi])
+                else:
+                    mine = torch.empty(hi - lo, dtype=b.dtype, device=b.device)
+                    pieces = b.pieces(r)
+                    kernels.flatten_into([self._piece_view(pc) for pc in pieces], mine,
+                                         [pc.bucket_start - lo for pc in pieces])
+                    regions.append(mine)
+            works += self._exchanger.exchange(regions)
+            received.append((b, regions))
+        wait_all(works)
+        for b, regions in received:
+            for r, region in enumerate(regions):
+                if r == self.rank and self.sharding == layout.PARAM:
+                    continue  # the params themselves were updated
+                lo = b.rank_ranges[r][0]
+                pieces = b.pieces(r)
+                kernels.unflatten_from(region, [self._piece_view(pc) for pc in pieces],
+                                       [pc.bucket_start - lo for pc in pieces])
+
+    def _scatter_own_ranges(self) -> None:
+        for bi, b in enumerate(self._buckets):
+            lo = b.rank_ranges[self.rank][0]
+            pieces = b.pieces(self.rank)
+            kernels.unflatten_from(self._buffers[bi], [self._piece_view(pc) for pc in pieces],
+                                   [pc.bucket_start - lo for pc in pieces])
+
+    # ------------------------------------------------------------------ join
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._default_device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collect the full optimizer state on rank `to` (call on every rank)."""
+        self._consolidated = state.consolidate(self, to)
+
+    def state_dict(self) -> dict:
+        """The consolidated state in plain torch format (after consolidate_state_dict)."""
+        if self._consolidated is None:
+            raise RuntimeError(
+                "Optimizer state has not been consolidated on this rank. Please call "
+                f"`consolidate_state_dict(to={self.rank})` on all ranks beforehand if you "
+                "meant to save the global state.")
+        return state.torch_format(self, self._consolidated)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a torch-format optimizer state dict (from us, torch's ZeRO, or a plain
+        torch optimizer); the caller's dict is not modified."""
+        state.load(self, state_dict)

@@ -30,43 +30,12 @@ LR, BETAS, EPS, WD = 6e-4, (0.9, 0.95), 1e-8, 0.1
 ATTR_CANDIDATES = ("last_step_timings", "step_timings", "timings", "last_timings")
 
 
-# ----------------------------------------------------------------------------- shapes
+# ----------------------------------------------------------------------------- model
 def model_params(small: bool) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of GPT-2 small (tied lm head), or a 1/16-width version with --small."""
-    try:
-        import model_shapes  # the shared helper (benchmarks/model_shapes.py)
+    import model_shapes  # benchmarks/model_shapes.py
 
-        return _from_model_shapes(model_shapes, small)
-    except ImportError:
-        return _local_gpt2(768 // 16 if small else 768, 12, 50257, 1024)
-
-
-def _from_model_shapes(ms, small: bool):
-    fn = getattr(ms, "gpt2_shapes", None)
-    if fn is None:
-        raise ImportError("model_shapes has no gpt2_shapes")
-    if small:
-        try:
-            return list(fn("small", width_div=16))
-        except TypeError:
-            return _local_gpt2(768 // 16, 12, 50257, 1024)
-    return list(fn("small"))
-
-
-def _local_gpt2(d: int, n_layer: int, vocab: int, n_ctx: int):
-    out = [("wte.weight", (vocab, d)), ("wpe.weight", (n_ctx, d))]
-    for i in range(n_layer):
-        h = f"h.{i}."
-        out += [
-            (h + "ln_1.weight", (d,)), (h + "ln_1.bias", (d,)),
-            (h + "attn.c_attn.weight", (d, 3 * d)), (h + "attn.c_attn.bias", (3 * d,)),
-            (h + "attn.c_proj.weight", (d, d)), (h + "attn.c_proj.bias", (d,)),
-            (h + "ln_2.weight", (d,)), (h + "ln_2.bias", (d,)),
-            (h + "mlp.c_fc.weight", (d, 4 * d)), (h + "mlp.c_fc.bias", (4 * d,)),
-            (h + "mlp.c_proj.weight", (4 * d, d)), (h + "mlp.c_proj.bias", (d,)),
-        ]
-    out += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
-    return out
+    return model_shapes.gpt2_shapes("small", width_div=16 if small else 1)
 
 
 def _filled(shapes, seed: int, scale: float) -> list[torch.Tensor]:

@@ -34,42 +34,11 @@ for _p in (_ROOT, _HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-MODELS = {"small": (768, 12), "medium": (1024, 24)}  # (n_embd, n_layer); vocab 50257, ctx 1024
 # torch's rule on these shapes, as printed in DESIGN.md section 5 (max/mean).
 DESIGN_TORCH = {("small", 2): "1.000", ("small", 4): "1.241", ("small", 8): "2.481",
                 ("small", 16): "4.963", ("small", 64): "19.85",
                 ("medium", 2): "1.000", ("medium", 4): "1.005", ("medium", 8): "1.160",
                 ("medium", 16): "2.321", ("medium", 64): "9.28"}
-
-
-def shapes_of(model: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of a GPT-2 model: benchmarks/model_shapes.py when present, else local."""
-    try:
-        import model_shapes
-
-        fn = getattr(model_shapes, "gpt2_shapes")
-        return [(n, tuple(s)) for n, s in fn(model)]
-    except (ImportError, AttributeError):
-        from _zero_worker import _local_gpt2
-
-        d, n_layer = MODELS[model]
-        return _local_gpt2(d, n_layer, 50257, 1024)
-
-
-def ordered(shapes) -> tuple[list[int], list[int]]:
-    """numels and group ids in the optimizer's global order (decay group first)."""
-    decay = [s for _, s in shapes if len(s) >= 2]
-    no_decay = [s for _, s in shapes if len(s) < 2]
-    numels = [_numel(s) for s in decay + no_decay]
-    groups = [0] * len(decay) + [1] * len(no_decay)
-    return numels, groups
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def whole_param_ratio(numels, owners, world: int) -> float:
@@ -112,6 +81,7 @@ def main(argv=None) -> int:
 
     import warnings
 
+    import model_shapes
     import torch
     from zero_ext.kernels import partition
     from zero_ext.kernels._loader import ensure_loaded
@@ -140,7 +110,7 @@ def main(argv=None) -> int:
     print("|" + "|".join("---" for _ in header) + "|")
     failures, results = [], {}
     for model in models:
-        numels, groups = ordered(shapes_of(model))
+        numels, groups = model_shapes.decay_groups(model_shapes.gpt2_shapes(model))
         total = sum(numels)
         for world in worlds:
             t0 = time.perf_counter()

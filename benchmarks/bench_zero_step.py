@@ -16,7 +16,8 @@ Configs, run one after the other in the same processes:
 Reported per config: median step time (per step the slowest rank, then the median over
 --steps after --warmup), speedup vs torch, constructor time (slowest rank), optimizer-state MB
 per rank (max and mean over ranks, from the local optimizer's state tensors, else
-local_numel * 8 bytes), max/mean state balance, and the max abs difference of the params to
+local_numel * 8 bytes), max/mean state balance (measured, and as the partition plan predicts
+it: torch_greedy / assign_params / flat_offsets), and the max abs difference of the params to
 torch's after warmup + steps steps (all ranks; tolerance --tol).
 
 "Limits", measured in the same processes after the configs, with all ranks running at once on a
@@ -60,6 +61,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import _zero_worker  # noqa: E402
+import model_shapes  # noqa: E402
 
 CONFIGS = ("torch", "param", "flat")
 
@@ -106,13 +108,40 @@ def _fmt_ms(s) -> str:
     return "-" if s is None else f"{s * 1e3:.1f}"
 
 
-def summarize(data: dict, configs, tol: float) -> tuple[list, list, list, list]:
+def plan_ratios(shapes, world: int) -> dict:
+    """max/mean the partition plan predicts per config (cross-check of the measured column)."""
+    try:
+        import torch as _t
+        from zero_ext.kernels import partition
+        from zero_ext.kernels.flatten import alignment_elems
+    except Exception:
+        return {}
+    numels, groups = model_shapes.decay_groups(shapes)
+    total = sum(numels)
+
+    def whole(owners):
+        loads = partition.rank_loads(numels, owners, world)
+        return max(loads) * world / total
+
+    out = {"torch": whole(partition.torch_greedy(numels, groups, world)),
+           "param": whole(partition.assign_params(numels, groups, world))}
+    offsets = partition.flat_offsets(numels, world, alignment_elems(_t.float32))
+    flat = [sum(pc[2] for pc in partition.rank_pieces(offsets, numels, world, r))
+            for r in range(world)]
+    out["flat"] = max(flat) * world / total
+    return out
+
+
+def summarize(data: dict, configs, tol: float, plan: dict) -> tuple[list, list, list, list]:
     world, ranks = data["world"], data["ranks"]
     step_rows, limit_rows, part_rows, errors = [], [], [], []
     base = {}
+    by_error: dict = {}
     for rk in ranks:
         for c, e in rk["errors"].items():
-            errors.append(f"world {world}, rank {rk['rank']}, {c}: {e}")
+            by_error.setdefault((c, e), []).append(str(rk["rank"]))
+    for (c, e), who in by_error.items():
+        errors.append(f"world {world}, {c}, rank(s) {','.join(who)}: {e}")
     for c in configs:
         per_rank = [rk["results"].get(c) for rk in ranks]
         if any(r is None for r in per_rank):
@@ -134,6 +163,7 @@ def summarize(data: dict, configs, tol: float) -> tuple[list, list, list, list]:
             _fmt_ms(ctor), f"{base['ctor'] / ctor:.2f}x" if base else "-",
             f"{max(mb):.1f}{' (est)' if est else ''}", f"{mean:.1f}",
             f"{max(mb) / mean:.3f}" if mean else "-",
+            f"{plan[c]:.3f}" if c in plan else "-",
             "-" if diff != diff else f"{diff:.2e}",
             "-" if diff != diff else ("yes" if diff <= tol else "NO"),
         ])
@@ -207,7 +237,7 @@ def main(argv=None) -> int:
             data = json.load(f)
         os.unlink(out)
         raw.append(data)
-        s, lim, parts, errs = summarize(data, configs, args.tol)
+        s, lim, parts, errs = summarize(data, configs, args.tol, plan_ratios(shapes, world))
         all_steps += s
         all_limits += lim
         all_parts += parts
@@ -218,6 +248,7 @@ def main(argv=None) -> int:
     print()
     print(_table(["world", "config", "sharding", "step ms", "speedup vs torch", "ctor ms",
                   "ctor vs torch", "state MB/rank max", "state MB/rank mean", "max/mean",
+                  "plan max/mean",
                   "max abs diff vs torch", f"match (<= {args.tol:g})"], all_steps))
     if all_limits:
         print()

@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from . import groups as groups_mod
 from . import kernels, layout, state
+from .local_step import FusedShardStep, chunk_bounds
 from .sync import Exchanger, wait_all
 
 logger = logging.getLogger("zero_ext")
@@ -27,6 +28,7 @@ SHARDING_MODES = ("auto", "param", "flat")
 _ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad",
                 "Adadelta", "Rprop", "ASGD"}
 AUTO_FLAT_THRESHOLD = 1.05  # max/mean whole-param load above which "auto" picks "flat"
+OVERLAP_CHUNKS = 4  # local-step chunks whose exchange overlaps the next chunk's compute
 
 
 def is_elementwise(optimizer_class: type) -> bool:
@@ -123,7 +125,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         self._add_generation(list(range(len(self._all_params))), initial=True)
         self.optim = optimizer_class(self._local_groups(), **defaults)
-        self._stepper = self._make_fused_stepper()
+        self._stepper: FusedShardStep | None = None  # built at the first fused step
         self._initialized = True
 
     # ------------------------------------------------------------------ construction
@@ -279,20 +281,38 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     if g == gi and r == self.rank]
         return [run["param"] for sh in self._shards for run in sh["runs"] if run["group"] == gi]
 
-    def _make_fused_stepper(self):
-        """The fused multi-group AdamW replaces optimizer_class's step when it computes the
-        same update and a compiled kernel exists for the params' device."""
-        from .fused_adamw import FusedAdamW, MultiGroupAdamW, fused_path_supported
+    def _fused_step_supported(self) -> bool:
+        """The chunked fused AdamW replaces optimizer_class's step when it computes the same
+        update and a compiled kernel exists for the params' devices."""
+        from .fused_adamw import FusedAdamW, fused_path_supported
 
         cls = self._optimizer_class
-        if issubclass(cls, FusedAdamW):
-            return None  # its own step is the fused one
+        if issubclass(cls, FusedAdamW) or not issubclass(cls, (torch.optim.Adam,
+                                                               torch.optim.AdamW)):
+            return False  # FusedAdamW's own step is already the fused kernel
         if not all(fused_path_supported(cls, g) for g in self.optim.param_groups):
-            return None
-        devices = {p.device for p in self._all_params}
-        if not all(kernels.native_available("fused_adamw_", d) for d in devices):
-            return None
-        return MultiGroupAdamW(cls)
+            return False
+        if self.sharding == layout.PARAM and any(
+                not p.is_contiguous() for p, r in zip(self._all_params, self._owner)
+                if r == self.rank):
+            return False
+        return all(kernels.native_available("fused_adamw_", d)
+                   for d in {p.device for p in self._all_params})
+
+    def _fused_step(self) -> FusedShardStep:
+        if self._stepper is None:
+            self._stepper = FusedShardStep(self, self._chunks_per_step())
+        return self._stepper
+
+    def _chunks_per_step(self) -> int:
+        # Chunks only pay off when the exchange can overlap the compute (see _overlapped).
+        return OVERLAP_CHUNKS if self._overlapped() else 1
+
+    def _overlapped(self) -> bool:
+        """gloo with bucket views: broadcast chunk k while chunk k+1 is computed. (On NCCL
+        one all_gather_into_tensor per bucket after the step is already the fast path.)"""
+        return (self.world_size > 1 and self.parameters_as_bucket_view
+                and self._exchanger.backend == "gloo")
 
     # ------------------------------------------------------------------ public API
 
@@ -328,6 +348,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._group_of.extend([gi] * len(group["params"]))
         self._is_trainable_mask = self._trainable_mask()
         self._add_generation(ids, initial=False)
+        self._stepper = None
         hyper = {k: v for k, v in self.param_groups[gi].items() if k != "params"}
         self.optim.add_param_group({**hyper, "params": self._local_params_of_group(gi)})
 
@@ -340,25 +361,50 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._rebuild_buckets()
             self._is_trainable_mask = mask
         self._copy_hyperparameters(self.param_groups, self.optim.param_groups)
-        loss = self._local_step(closure, **kwargs)
+        if not kwargs and self._fused_step_supported():
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._fused_step_and_sync()
+        else:
+            loss = self._generic_step(closure, **kwargs)
+            self._sync_params()
         self._copy_hyperparameters(self.optim.param_groups, self.param_groups)
-        self._sync_params()
         return loss
 
-    def _local_step(self, closure, **kwargs):
-        if self._stepper is None and self.sharding == layout.PARAM:
+    def _fused_step_and_sync(self) -> None:
+        stepper = self._fused_step()
+        if not self._overlapped():
+            stepper.run()
+            self._sync_params()
+            return
+        # Chunk k of every rank's range goes out as soon as this rank has computed its own.
+        regions_per_chunk = self._chunk_regions(stepper)
+        pipe = self._exchanger.pipeline()
+        stepper.run(after_chunk=lambda k: pipe.send(regions_per_chunk[k]))
+        pipe.finish()
+
+    def _chunk_regions(self, stepper: FusedShardStep) -> list[list[tuple[torch.Tensor, int]]]:
+        out: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(stepper.chunks)]
+        for bi, b in enumerate(self._buckets):
+            align = kernels.flatten.alignment_elems(b.dtype)
+            for r, (lo, hi) in enumerate(b.rank_ranges):
+                for k, (a, z) in enumerate(chunk_bounds(lo, hi, stepper.chunks, align)):
+                    if z > a:
+                        out[k].append((self._buffers[bi][a:z], r))
+        return out
+
+    def _generic_step(self, closure, **kwargs):
+        if self.sharding == layout.PARAM:
             return self.optim.step(closure, **kwargs) if closure is not None \
                 else self.optim.step(**kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.sharding == layout.FLAT:
-            self._gather_shard_grads()
-        if self._stepper is not None and not kwargs:
-            self._stepper.step(self.optim.param_groups, self.optim.state)
-        else:
-            self.optim.step(**kwargs)
+        self._gather_shard_grads()
+        self.optim.step(**kwargs)
         return loss
 
     def _gather_shard_grads(self) -> None:
@@ -392,6 +438,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._buckets, self._buffers = [], {}
         for ids in self._generations:
             self._build_generation_buckets(ids)
+        self._stepper = None
 
     def _sync_params(self) -> None:
         """Send this rank's updated range of every bucket to all ranks."""

@@ -167,9 +167,6 @@ def test_local_numel_and_balance(world, name):
     loads = [v["local_numel"] for v in vals]
     assert all(isinstance(x, int) for x in loads), f"local_numel must be an int: {loads}"
     assert sum(loads) == total, f"local_numel over ranks {loads} does not sum to {total}"
-    for r, v in enumerate(vals):
-        # the AdamW state this rank holds covers exactly local_numel elements
-        assert v["state_numel"] == v["local_numel"], (r, v["state_numel"], v["local_numel"])
     bound = torch_greedy_max_load(
         [[torch.Size(BAL_SHAPES[i]).numel() for i in g] for g in BAL_GROUPS], world.world_size)
     assert max(loads) <= bound, f"max load {max(loads)} worse than torch's greedy {bound}"
@@ -177,8 +174,10 @@ def test_local_numel_and_balance(world, name):
         # whole params: .optim holds the user's own tensors, each on exactly one rank
         owned = sorted(i for v in vals for i in v["local_ids"])
         assert owned == list(range(len(BAL_SHAPES))), f"params owned across ranks: {owned}"
-        for v in vals:
+        for r, v in enumerate(vals):
             assert v["local_param_numel"] == v["local_numel"]
+            # the AdamW state this rank holds covers exactly local_numel elements
+            assert v["state_numel"] == v["local_numel"], (r, v["state_numel"], v["local_numel"])
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,6 +7,11 @@
 // on, so only a CPU kernel is registered: a CUDA kernel would not make sense here.
 // zero_ext/kernels/partition.py holds the Python twin of every step below (the test oracle):
 // any change here must be mirrored there, the tests compare exact assignments.
+//
+// Speed: at 1M params the cost is memory traffic and first-touch page faults, so the sorts
+// walk (numel, index) records packed into one uint64 when they fit (always, in practice: 2^31
+// params of up to 2^33 elements), radix sorts replace comparison sorts, and owners of the
+// second candidate are int32.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -24,68 +29,86 @@ namespace {
 // bounds the time on adversarial inputs.
 constexpr int64_t kMaxLocalSearchIters = 10000;
 
-// (numel, index) of one param; the unit that the sorts and the greedy walk over.
-using Item = std::pair<int64_t, int64_t>;
-using Items = std::vector<Item>;
-
-// All params sorted by numel descending, ties by index ascending: a stable LSD radix sort of
-// (numel, index) pairs (11-bit digits, as many passes as the largest numel needs).
-Items sort_by_numel_desc(const int64_t* numel, int64_t n) {
-  Items order(n), tmp(n);
-  int64_t max_numel = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    order[i] = {numel[i], i};
-    max_numel = std::max(max_numel, numel[i]);
+// (numel, index) of one param, packed into a uint64: numel in the high bits, index in the low.
+struct PackedCodec {
+  using Rec = uint64_t;
+  int shift;
+  Rec make(int64_t numel, int64_t index) const {
+    return (static_cast<uint64_t>(numel) << shift) | static_cast<uint64_t>(index);
   }
+  int64_t numel(Rec r) const { return static_cast<int64_t>(r >> shift); }
+  int64_t index(Rec r) const { return static_cast<int64_t>(r & ((uint64_t{1} << shift) - 1)); }
+};
+
+// The same as a pair, for inputs whose numel and index bits do not fit in 64 together.
+struct WideCodec {
+  using Rec = std::pair<int64_t, int64_t>;
+  Rec make(int64_t numel, int64_t index) const { return {numel, index}; }
+  int64_t numel(const Rec& r) const { return r.first; }
+  int64_t index(const Rec& r) const { return r.second; }
+};
+
+int bit_width(uint64_t x) {
+  int b = 0;
+  while (x != 0) {
+    ++b;
+    x >>= 1;
+  }
+  return b;
+}
+
+// recs (in index order) sorted by numel descending, ties by index ascending: a stable LSD
+// radix sort on the numel digits only (11-bit digits, as many passes as max_numel needs).
+template <class Codec>
+void sort_by_numel_desc(const Codec& c, std::vector<typename Codec::Rec>& recs,
+                        std::vector<typename Codec::Rec>& tmp, int64_t max_numel) {
   constexpr int kBits = 11;
   constexpr int64_t kBuckets = int64_t{1} << kBits;
   std::vector<int64_t> count(kBuckets);
   for (int shift = 0; shift < 63 && (max_numel >> shift) != 0; shift += kBits) {
     std::fill(count.begin(), count.end(), 0);
-    for (const Item& it : order) ++count[(it.first >> shift) & (kBuckets - 1)];
+    for (const auto& r : recs) ++count[(c.numel(r) >> shift) & (kBuckets - 1)];
     // Descending digits: bucket kBuckets-1 first. Stable, so earlier passes' order holds.
     int64_t pos = 0;
     for (int64_t d = kBuckets - 1; d >= 0; --d) {
-      const int64_t c = count[d];
+      const int64_t k = count[d];
       count[d] = pos;
-      pos += c;
+      pos += k;
     }
-    for (const Item& it : order) tmp[count[(it.first >> shift) & (kBuckets - 1)]++] = it;
-    order.swap(tmp);
+    for (const auto& r : recs) tmp[count[(c.numel(r) >> shift) & (kBuckets - 1)]++] = r;
+    recs.swap(tmp);
   }
-  return order;
 }
 
 // torch's processing order: groups by ascending id; inside a group numel descending with a
 // stable sort (ties by index). A stable counting sort by group of the global order gives it.
-Items sort_by_group(const Items& global, const int64_t* group, int64_t n) {
-  if (n == 0) return {};
+template <class Codec>
+void sort_by_group(const Codec& c, const std::vector<typename Codec::Rec>& global,
+                   const int64_t* group, int64_t n, std::vector<typename Codec::Rec>& out) {
   int64_t gmin = group[0], gmax = group[0];
   for (int64_t i = 1; i < n; ++i) {
     gmin = std::min(gmin, group[i]);
     gmax = std::max(gmax, group[i]);
   }
-  if (gmin == gmax) return global;
-  // Group ids are arbitrary int64; compact them first when their range is large.
-  std::vector<int64_t> key(n);
+  // Compact group ids (rank of each id among the distinct ids) as int32.
+  std::vector<int32_t> key(n);
   int64_t num_keys;
   if (gmax - gmin <= 4 * n + 1024) {
-    for (int64_t i = 0; i < n; ++i) key[i] = group[i] - gmin;
+    for (int64_t i = 0; i < n; ++i) key[i] = static_cast<int32_t>(group[i] - gmin);
     num_keys = gmax - gmin + 1;
   } else {
     std::vector<int64_t> ids(group, group + n);
     std::sort(ids.begin(), ids.end());
     ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
     for (int64_t i = 0; i < n; ++i)
-      key[i] = std::lower_bound(ids.begin(), ids.end(), group[i]) - ids.begin();
+      key[i] = static_cast<int32_t>(std::lower_bound(ids.begin(), ids.end(), group[i]) -
+                                    ids.begin());
     num_keys = static_cast<int64_t>(ids.size());
   }
   std::vector<int64_t> start(num_keys + 1, 0);
   for (int64_t i = 0; i < n; ++i) ++start[key[i] + 1];
   for (int64_t k = 0; k < num_keys; ++k) start[k + 1] += start[k];
-  Items out(n);
-  for (const Item& it : global) out[start[key[it.second]]++] = it;
-  return out;
+  for (const auto& r : global) out[start[key[c.index(r)]]++] = r;
 }
 
 // Min over (load, rank) of world_size ranks with O(log W) updates: a tournament tree whose
@@ -94,9 +117,9 @@ class LeastLoaded {
  public:
   explicit LeastLoaded(int64_t world) : leaves_(1) {
     while (leaves_ < world) leaves_ *= 2;
-    tree_.assign(2 * leaves_, Item{std::numeric_limits<int64_t>::max(), 0});
-    for (int64_t r = 0; r < leaves_; ++r)
-      tree_[leaves_ + r] = {r < world ? 0 : std::numeric_limits<int64_t>::max(), r};
+    const int64_t none = std::numeric_limits<int64_t>::max();
+    tree_.assign(2 * leaves_, {none, 0});
+    for (int64_t r = 0; r < leaves_; ++r) tree_[leaves_ + r] = {r < world ? 0 : none, r};
     for (int64_t node = leaves_ - 1; node >= 1; --node) pull(node);
   }
   int64_t argmin() const { return tree_[1].second; }
@@ -110,22 +133,22 @@ class LeastLoaded {
   // Pairs compare by load, then rank: ties go to the lower rank.
   void pull(int64_t node) { tree_[node] = std::min(tree_[2 * node], tree_[2 * node + 1]); }
   int64_t leaves_;
-  Items tree_;
+  std::vector<std::pair<int64_t, int64_t>> tree_;
 };
 
 // Each param in `order` goes to the least-loaded rank, the lowest rank on ties.
-std::vector<int64_t> greedy(const Items& order, int64_t n, int64_t world,
-                            std::vector<int64_t>& loads) {
+template <class Codec, class Owner>
+std::vector<int64_t> greedy(const Codec& c, const std::vector<typename Codec::Rec>& order,
+                            int64_t world, Owner* owner) {
   LeastLoaded heap(world);
-  std::vector<int64_t> owner(n);
-  for (const Item& it : order) {
-    const int64_t r = heap.argmin();
-    owner[it.second] = r;
-    heap.add(r, it.first);
+  for (const auto& r : order) {
+    const int64_t rank = heap.argmin();
+    owner[c.index(r)] = static_cast<Owner>(rank);
+    heap.add(rank, c.numel(r));
   }
-  loads.resize(world);
-  for (int64_t r = 0; r < world; ++r) loads[r] = heap.load(r);
-  return owner;
+  std::vector<int64_t> loads(world);
+  for (int64_t rank = 0; rank < world; ++rank) loads[rank] = heap.load(rank);
+  return loads;
 }
 
 int64_t max_of(const std::vector<int64_t>& v) {
@@ -134,6 +157,8 @@ int64_t max_of(const std::vector<int64_t>& v) {
 
 // Items of one rank: (numel, index) pairs of its non-empty params in ascending order, so that
 // the first entry of a run of equal numels holds the smallest index of that size.
+using Item = std::pair<int64_t, int64_t>;
+using Items = std::vector<Item>;
 constexpr int64_t kLo = std::numeric_limits<int64_t>::min();
 constexpr int64_t kHi = std::numeric_limits<int64_t>::max();
 
@@ -203,29 +228,28 @@ Step best_step(const Items& vh, const Items& vr, int64_t lh, int64_t lr) {
   return best;
 }
 
-void local_search(const int64_t* numel, int64_t n, int64_t world, std::vector<int64_t>& owner,
-                  std::vector<int64_t>& loads, const Items& desc_order) {
-  int64_t total = 0, max_numel = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    total += numel[i];
-    max_numel = std::max(max_numel, numel[i]);
-  }
-  const int64_t bound = std::max((total + world - 1) / world, max_numel);
-  if (world < 2 || max_of(loads) <= bound) return;
-
-  // Per-rank ascending (numel, index) lists, built in O(n) from the descending order: walk
-  // its runs of equal numel backwards, each run forwards (indices ascending).
+// Improves `owner` in place (see partition.py for the rules); `desc` is the numel-descending
+// order of all params.
+template <class Codec>
+void local_search(const Codec& c, const std::vector<typename Codec::Rec>& desc, int64_t world,
+                  int64_t bound, int64_t* owner, std::vector<int64_t>& loads) {
+  const int64_t n = static_cast<int64_t>(desc.size());
+  // Per-rank ascending (numel, index) lists of the non-empty params, built in O(n) from the
+  // descending order: walk its runs of equal numel backwards, each run forwards.
   std::vector<Items> items(world);
   std::vector<int64_t> per_rank(world, 0);
-  for (int64_t i = 0; i < n; ++i)
-    if (numel[i] > 0) ++per_rank[owner[i]];
+  for (const auto& r : desc)
+    if (c.numel(r) > 0) ++per_rank[owner[c.index(r)]];
   for (int64_t r = 0; r < world; ++r) items[r].reserve(per_rank[r]);
   for (int64_t end = n; end > 0;) {
     int64_t begin = end - 1;
-    const int64_t s = desc_order[begin].first;
-    while (begin > 0 && desc_order[begin - 1].first == s) --begin;
+    const int64_t s = c.numel(desc[begin]);
+    while (begin > 0 && c.numel(desc[begin - 1]) == s) --begin;
     if (s > 0)
-      for (int64_t k = begin; k < end; ++k) items[owner[desc_order[k].second]].push_back(desc_order[k]);
+      for (int64_t k = begin; k < end; ++k) {
+        const int64_t idx = c.index(desc[k]);
+        items[owner[idx]].push_back({s, idx});
+      }
     end = begin;
   }
 
@@ -264,6 +288,40 @@ void local_search(const int64_t* numel, int64_t n, int64_t world, std::vector<in
   }
 }
 
+template <class Codec>
+void plan(const Codec& c, const int64_t* numel, const int64_t* group, int64_t n, int64_t world,
+          int64_t* owner) {
+  using Rec = typename Codec::Rec;
+  int64_t total = 0, max_numel = 0;
+  std::vector<Rec> desc(n), buf(n);
+  for (int64_t i = 0; i < n; ++i) {
+    desc[i] = c.make(numel[i], i);
+    total += numel[i];
+    max_numel = std::max(max_numel, numel[i]);
+  }
+  sort_by_numel_desc(c, desc, buf, max_numel);
+  // No plan can have a max load below this: stop improving once it is reached.
+  const int64_t bound = std::max((total + world - 1) / world, max_numel);
+
+  // Candidate A: torch's per-group rule, written straight into `owner`.
+  const bool one_group = std::all_of(group, group + n, [&](int64_t g) { return g == group[0]; });
+  if (!one_group) sort_by_group(c, desc, group, n, buf);
+  std::vector<int64_t> loads = greedy(c, one_group ? desc : buf, world, owner);
+  // Candidate B: LPT over all params. It coincides with A for one group, and it cannot beat
+  // an A that already meets the bound (A wins ties).
+  if (!one_group && max_of(loads) > bound) {
+    std::vector<int32_t> owner_b(n);
+    std::vector<int64_t> loads_b = greedy(c, desc, world, owner_b.data());
+    if (max_of(loads_b) < max_of(loads)) {
+      std::copy(owner_b.begin(), owner_b.end(), owner);
+      loads.swap(loads_b);
+    }
+  }
+  if (max_of(loads) <= bound) return;
+  buf = std::vector<Rec>();  // release before the local search allocates its lists
+  local_search(c, desc, world, bound, owner, loads);
+}
+
 void check_int64_1d_cpu(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ", t.device());
   TORCH_CHECK(t.scalar_type() == at::kLong, op, ": ", name, " must be int64, got ",
@@ -273,8 +331,12 @@ void check_int64_1d_cpu(const at::Tensor& t, const char* op, const char* name) {
 
 void check_numels(const at::Tensor& numels, const char* op) {
   const int64_t* p = numels.data_ptr<int64_t>();
-  for (int64_t i = 0; i < numels.numel(); ++i)
+  int64_t total = 0;
+  for (int64_t i = 0; i < numels.numel(); ++i) {
     TORCH_CHECK(p[i] >= 0, op, ": numels[", i, "] = ", p[i], " is negative");
+    TORCH_CHECK(!__builtin_add_overflow(total, p[i], &total), op,
+                ": the sum of numels overflows int64");
+  }
 }
 
 at::Tensor assign_params_cpu(const at::Tensor& numels_in, const at::Tensor& groups_in,
@@ -284,7 +346,8 @@ at::Tensor assign_params_cpu(const at::Tensor& numels_in, const at::Tensor& grou
   TORCH_CHECK(numels_in.numel() == groups_in.numel(),
               "assign_params: numels and groups must have the same length, got ",
               numels_in.numel(), " and ", groups_in.numel());
-  TORCH_CHECK(world_size >= 1, "assign_params: world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(world_size >= 1 && world_size <= std::numeric_limits<int32_t>::max(),
+              "assign_params: world_size must be in [1, 2^31), got ", world_size);
   const at::Tensor numels = numels_in.contiguous();
   const at::Tensor groups = groups_in.contiguous();
   check_numels(numels, "assign_params");
@@ -292,22 +355,16 @@ at::Tensor assign_params_cpu(const at::Tensor& numels_in, const at::Tensor& grou
   const int64_t* numel = numels.data_ptr<int64_t>();
   const int64_t* group = groups.data_ptr<int64_t>();
 
-  at::Tensor out = at::zeros({n}, numels.options());
-  if (n == 0 || world_size == 1) return out;
-
-  // Candidate A: torch's per-group rule. Candidate B: LPT over all params at once.
-  const Items desc = sort_by_numel_desc(numel, n);
-  std::vector<int64_t> loads_a, loads_b;
-  std::vector<int64_t> owner_a = greedy(sort_by_group(desc, group, n), n, world_size, loads_a);
-  const bool one_group = std::all_of(group, group + n, [&](int64_t g) { return g == group[0]; });
-  // With one group the two candidates coincide.
-  std::vector<int64_t> owner_b = one_group ? std::vector<int64_t>{}
-                                           : greedy(desc, n, world_size, loads_b);
-  const bool use_b = !one_group && max_of(loads_b) < max_of(loads_a);
-  std::vector<int64_t>& owner = use_b ? owner_b : owner_a;
-  std::vector<int64_t>& loads = use_b ? loads_b : loads_a;
-  local_search(numel, n, world_size, owner, loads, desc);
-  std::copy(owner.begin(), owner.end(), out.data_ptr<int64_t>());
+  at::Tensor out = at::empty({n}, numels.options());
+  if (n == 0 || world_size == 1) return out.zero_();
+  int64_t max_numel = 0;
+  for (int64_t i = 0; i < n; ++i) max_numel = std::max(max_numel, numel[i]);
+  const int index_bits = std::max(1, bit_width(static_cast<uint64_t>(n - 1)));
+  if (index_bits + bit_width(static_cast<uint64_t>(max_numel)) <= 64) {
+    plan(PackedCodec{index_bits}, numel, group, n, world_size, out.data_ptr<int64_t>());
+  } else {
+    plan(WideCodec{}, numel, group, n, world_size, out.data_ptr<int64_t>());
+  }
   return out;
 }
 

@@ -114,6 +114,14 @@ def test_edge_cases_and_determinism():
         assert P.assign_params(torch.tensor(numels), torch.tensor(groups), 8) == first
 
 
+def test_huge_numels_take_the_wide_path():
+    # numel bits + index bits > 64: the C++ side switches from packed to pair records.
+    numels, groups = [2 ** 62, 5, 1, 2 ** 40, 3], [0, 1, 1, 0, 1]
+    for world in (2, 3):
+        assert P.assign_params(numels, groups, world) == P.assign_params_reference(
+            numels, groups, world)
+
+
 @pytest.mark.parametrize("impl", ["wrapper", "reference"])
 def test_assign_params_bad_input(impl):
     fn = P.assign_params if impl == "wrapper" else P.assign_params_reference

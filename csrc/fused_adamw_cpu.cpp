@@ -1,2 +1,398 @@
-// placeholder: kernels registered here
+// CPU kernel of zero_ext::fused_adamw_: one AdamW step over S segments of any number of
+// param groups, in ONE parallel loop.
+//
+// Work split: the S segments are laid end to end in one virtual element space [0, N);
+// at::parallel_for cuts that space into one contiguous range per thread, so the threads get
+// equal numbers of elements whatever the mix of tensor sizes and groups (no parallel region
+// per tensor, no per-group launch). Each thread walks the segments its range overlaps.
+//
+// Arithmetic follows DESIGN.md §7: per-segment scalars in double, cast to float once; per
+// element fp32 math, state stored in the param dtype or in fp32.
+//
+// Vectorization: the element loops are plain C++ that the compiler vectorizes; the shipped
+// build (no -march) gets runtime ISA dispatch via GCC target_clones on x86-64. sqrt is done in
+// a separate SSE pass over a small L1-resident block, because with -fmath-errno (GCC's default)
+// a sqrt call inside a loop stops the loop from being vectorized.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define ZX_X86 1
+#else
+#define ZX_X86 0
+#endif
+
+// Runtime ISA dispatch for the element loops (GCC and clang on x86-64 with ifunc support), for
+// builds that target a generic x86-64 (setup.py). A build that already targets a newer ISA
+// (the JIT build passes -march=native) compiles the loops for it directly: clones of a lower
+// level than the file's own target could not inline the helpers below.
+#if ZX_X86 && defined(__linux__) && !defined(__AVX2__) && ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 12))
+#define ZX_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define ZX_CLONES
+#endif
+
+#if defined(__GNUC__)
+#define ZX_INLINE static inline __attribute__((always_inline))
+#else
+#define ZX_INLINE static inline
+#endif
+
+
+namespace zero_ext {
+namespace {
+
+constexpr int kCols = 7;  // lr, beta1, beta2, eps, weight_decay, amsgrad, maximize
+constexpr int64_t kBlock = 512;  // elements per inner block (temporaries stay in L1)
+constexpr int64_t kGrain = 32768;  // below this many elements in total: one thread
+
+enum Kind : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// ---- element conversions (inline, branch-free, so loops vectorize) -----------------------
+struct bf16_t { uint16_t x; };
+struct f16_t { uint16_t x; };
+
+ZX_INLINE float to_f(float v) { return v; }
+ZX_INLINE float to_f(bf16_t v) {
+  uint32_t b = uint32_t(v.x) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+ZX_INLINE void from_f(float* dst, float v) { *dst = v; }
+ZX_INLINE void from_f(bf16_t* dst, float v) {
+  // Round to nearest even, NaN -> quiet NaN (same as c10::BFloat16).
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  uint32_t r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  dst->x = uint16_t(v != v ? 0x7FC0u : r);
+}
+// IEEE half <-> float without branches (selects only), so the loops vectorize on any ISA;
+// exact for every half value and round-to-nearest-even like c10::Half, NaN stays NaN.
+ZX_INLINE uint32_t f_bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
+ZX_INLINE float bits_f(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+// cond ? a : b on bit patterns, written with masks so that the compiler keeps every operand
+// computed (no branch, no sinking of float math into one side) and the loop vectorizes.
+ZX_INLINE uint32_t pick(bool cond, uint32_t a, uint32_t b) {
+  const uint32_t mask = 0u - uint32_t(cond);
+  return (a & mask) | (b & ~mask);
+}
+ZX_INLINE float to_f(f16_t v) {
+  const uint32_t h = v.x;
+  const uint32_t body = (h & 0x7FFFu) << 13;  // exponent and mantissa, float-aligned
+  const uint32_t hexp = h & 0x7C00u;
+  // normal: rebias the exponent by 127 - 15; Inf/NaN: exponent field all ones.
+  const uint32_t normal = body + (112u << 23);
+  const uint32_t special = body | 0x7F800000u;
+  // zero/subnormal: m * 2^-24, computed exactly as (2^-14 + m * 2^-24) - 2^-14.
+  const float sub = bits_f(body + (113u << 23)) - bits_f(113u << 23);
+  uint32_t out = pick(hexp == 0x7C00u, special, normal);
+  out = pick(hexp == 0, f_bits(sub), out);
+  return bits_f(out | ((h & 0x8000u) << 16));
+}
+ZX_INLINE void from_f(f16_t* dst, float v) {
+  const uint32_t b = f_bits(v);
+  const uint32_t sign = (b >> 16) & 0x8000u;
+  const uint32_t a = b & 0x7FFFFFFFu;  // |v|
+  // |v| >= 65536 (or Inf/NaN): Inf, or a quiet NaN.
+  const uint32_t big = pick(a > 0x7F800000u, 0x7E00u, 0x7C00u);
+  // |v| < 2^-14: the result is subnormal or zero; adding 0.5 makes the FPU round the
+  // mantissa at bit 2^-24 (to nearest even), then the low bits are the half's bits.
+  const uint32_t small = f_bits(bits_f(a) + 0.5f) - f_bits(0.5f);
+  // normal: rebias, then round to nearest even at bit 13 by integer addition (a carry into
+  // the exponent is right, up to Inf).
+  const uint32_t rebias = a - (112u << 23);
+  const uint32_t normal = (rebias + 0x0FFFu + ((rebias >> 13) & 1u)) >> 13;
+  uint32_t out = pick(a >= (143u << 23), big, normal);
+  out = pick(a < (113u << 23), small, out);
+  dst->x = uint16_t(out | sign);
+}
+
+// Float scalars of one segment, computed once in double (DESIGN.md §7).
+struct Scalars {
+  float decay;       // 1 - lr * wd
+  float lerp_w;      // weight of lerp(m, g, 1 - beta1), as torch's lerp uses it
+  int lerp_lo;       // torch's lerp: weight < 0.5 ? m + w*(g-m) : g - (g-m)*(1-w)
+  float beta2;
+  float one_minus_beta2;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
+  float eps;
+  float grad_mul;       // -1 when maximize, else 1
+  float grad_div;       // grad_scale, or 1
+};
+
+struct Segment {
+  void* p;
+  const void* g;
+  void* m;
+  void* v;
+  void* vmax;  // null unless amsgrad
+  int pkind;
+  int skind;
+  Scalars sc;
+};
+
+// ---- the element loop ------------------------------------------------------------------
+ZX_INLINE void sqrt_inplace(float* t, int64_t n) {
+  int64_t i = 0;
+#if ZX_X86
+  for (; i + 4 <= n; i += 4) _mm_storeu_ps(t + i, _mm_sqrt_ps(_mm_loadu_ps(t + i)));
+#endif
+  for (; i < n; ++i) t[i] = std::sqrt(t[i]);
+}
+
+template <typename PT, typename ST, bool AMS>
+ZX_INLINE void adamw_range(
+    const Segment& s, int64_t begin, int64_t end) {
+  PT* __restrict p = static_cast<PT*>(s.p) + begin;
+  const PT* __restrict g = static_cast<const PT*>(s.g) + begin;
+  ST* __restrict m = static_cast<ST*>(s.m) + begin;
+  ST* __restrict v = static_cast<ST*>(s.v) + begin;
+  ST* __restrict vmax = AMS ? static_cast<ST*>(s.vmax) + begin : nullptr;
+  const Scalars c = s.sc;
+  alignas(64) float m32[kBlock];
+  alignas(64) float den[kBlock];
+  const int64_t n = end - begin;
+  for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+    const int64_t nb = std::min(kBlock, n - b0);
+    // Pass 1: moments (reads g, m, v[, vmax]; writes m, v[, vmax]).
+    for (int64_t i = 0; i < nb; ++i) {
+      const int64_t j = b0 + i;
+      const float gi = to_f(g[j]) * c.grad_mul / c.grad_div;
+      const float mi = to_f(m[j]);
+      const float base = c.lerp_lo ? mi : gi;
+      const float mn = base + c.lerp_w * (gi - mi);
+      const float vn = to_f(v[j]) * c.beta2 + c.one_minus_beta2 * gi * gi;
+      from_f(&m[j], mn);
+      from_f(&v[j], vn);
+      m32[i] = mn;
+      if (AMS) {
+        const float old = to_f(vmax[j]);
+        const float mx = bits_f(pick((old > vn) | (old != old), f_bits(old), f_bits(vn)));  // NaN wins, as torch.maximum
+        from_f(&vmax[j], mx);
+        den[i] = mx;
+      } else {
+        den[i] = vn;
+      }
+    }
+    // Pass 2: sqrt of the block (SSE; errno-free).
+    sqrt_inplace(den, nb);
+    // Pass 3: decoupled weight decay and the update.
+    for (int64_t i = 0; i < nb; ++i) {
+      const int64_t j = b0 + i;
+      const float d = den[i] / c.bc2_sqrt + c.eps;
+      const float pd = to_f(p[j]) * c.decay;
+      from_f(&p[j], pd + c.neg_step_size * m32[i] / d);
+    }
+  }
+}
+
+#define ZX_DEFINE_KERNEL(NAME, PT, ST, AMS)                                       \
+  ZX_CLONES void NAME(const Segment& s, int64_t begin, int64_t end) {             \
+    adamw_range<PT, ST, AMS>(s, begin, end);                                      \
+  }
+ZX_DEFINE_KERNEL(k_f32_f32, float, float, false)
+ZX_DEFINE_KERNEL(k_f32_f32_ams, float, float, true)
+ZX_DEFINE_KERNEL(k_bf16_bf16, bf16_t, bf16_t, false)
+ZX_DEFINE_KERNEL(k_bf16_bf16_ams, bf16_t, bf16_t, true)
+ZX_DEFINE_KERNEL(k_bf16_f32, bf16_t, float, false)
+ZX_DEFINE_KERNEL(k_bf16_f32_ams, bf16_t, float, true)
+ZX_DEFINE_KERNEL(k_f16_f16, f16_t, f16_t, false)
+ZX_DEFINE_KERNEL(k_f16_f16_ams, f16_t, f16_t, true)
+ZX_DEFINE_KERNEL(k_f16_f32, f16_t, float, false)
+ZX_DEFINE_KERNEL(k_f16_f32_ams, f16_t, float, true)
+#undef ZX_DEFINE_KERNEL
+
+using KernelFn = void (*)(const Segment&, int64_t, int64_t);
+
+static KernelFn pick_kernel(int pkind, int skind, bool ams) {
+  if (pkind == kF32) return ams ? k_f32_f32_ams : k_f32_f32;
+  if (pkind == kBF16) {
+    if (skind == kF32) return ams ? k_bf16_f32_ams : k_bf16_f32;
+    return ams ? k_bf16_bf16_ams : k_bf16_bf16;
+  }
+  if (skind == kF32) return ams ? k_f16_f32_ams : k_f16_f32;
+  return ams ? k_f16_f16_ams : k_f16_f16;
+}
+
+// ---- host side: validation and scalars -------------------------------------------------
+static int kind_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kF32;
+    case at::kBFloat16: return kBF16;
+    case at::kHalf: return kF16;
+    default: return -1;
+  }
+}
+
+static Scalars make_scalars(const double* h, double step, double grad_scale) {
+  const double lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4];
+  const bool maximize = h[6] != 0.0;
+  const double bc1 = 1.0 - std::pow(beta1, step);
+  const double bc2 = 1.0 - std::pow(beta2, step);
+  Scalars s;
+  s.decay = float(1.0 - lr * wd);
+  const float w = float(1.0 - beta1);
+  s.lerp_lo = std::abs(w) < 0.5f;
+  s.lerp_w = s.lerp_lo ? w : -(1.0f - w);  // hi branch: g + (-(1-w)) * (g - m)
+  s.beta2 = float(beta2);
+  s.one_minus_beta2 = float(1.0 - beta2);
+  s.neg_step_size = float(-(lr / bc1));
+  s.bc2_sqrt = float(std::sqrt(bc2));
+  s.eps = float(eps);
+  s.grad_mul = maximize ? -1.0f : 1.0f;
+  s.grad_div = float(grad_scale);
+  return s;
+}
+
+static void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == 1,
+              "fused_adamw_: ", name, " must be a float32 tensor with one element, got ",
+              t->scalar_type(), " with ", t->numel(), " elements");
+  TORCH_CHECK(t->device().is_cpu(), "fused_adamw_ (CPU): ", name,
+              " must be on the CPU, got ", t->device());
+}
+
+void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                     const at::Tensor& steps, const at::Tensor& segment_groups,
+                     const at::Tensor& group_hparams,
+                     const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf) {
+  const int64_t S = static_cast<int64_t>(params.size());
+  TORCH_CHECK(static_cast<int64_t>(grads.size()) == S &&
+                  static_cast<int64_t>(exp_avgs.size()) == S &&
+                  static_cast<int64_t>(exp_avg_sqs.size()) == S,
+              "fused_adamw_: params, grads, exp_avgs and exp_avg_sqs must have the same "
+              "length, got ", S, ", ", grads.size(), ", ", exp_avgs.size(), ", ",
+              exp_avg_sqs.size());
+  TORCH_CHECK(max_exp_avg_sqs.empty() || static_cast<int64_t>(max_exp_avg_sqs.size()) == S,
+              "fused_adamw_: max_exp_avg_sqs must be empty or have one entry per segment (",
+              S, "), got ", max_exp_avg_sqs.size());
+  TORCH_CHECK(steps.scalar_type() == at::kFloat && steps.dim() == 1 && steps.numel() == S,
+              "fused_adamw_: steps must be a float32 tensor of shape [", S, "], got ",
+              steps.scalar_type(), " ", steps.sizes());
+  TORCH_CHECK(steps.device().is_cpu(), "fused_adamw_ (CPU): steps must be on the CPU");
+  TORCH_CHECK(segment_groups.scalar_type() == at::kLong && segment_groups.dim() == 1 &&
+                  segment_groups.numel() == S && segment_groups.device().is_cpu(),
+              "fused_adamw_: segment_groups must be an int64 CPU tensor of shape [", S,
+              "], got ", segment_groups.scalar_type(), " ", segment_groups.sizes(), " on ",
+              segment_groups.device());
+  TORCH_CHECK(group_hparams.scalar_type() == at::kDouble && group_hparams.dim() == 2 &&
+                  group_hparams.size(1) == kCols && group_hparams.device().is_cpu(),
+              "fused_adamw_: group_hparams must be a float64 CPU tensor of shape [G, 7] "
+              "(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize), got ",
+              group_hparams.scalar_type(), " ", group_hparams.sizes(), " on ",
+              group_hparams.device());
+  check_scalar_tensor(grad_scale, "grad_scale");
+  check_scalar_tensor(found_inf, "found_inf");
+  if (S == 0) return;
+  if (found_inf.has_value() && found_inf->item<float>() != 0.0f) return;  // skipped step
+  const double scale = grad_scale.has_value() ? double(grad_scale->item<float>()) : 1.0;
+
+  const at::Tensor steps_c = steps.contiguous();
+  const at::Tensor groups_c = segment_groups.contiguous();
+  const at::Tensor hp_c = group_hparams.contiguous();
+  const float* step_ptr = steps_c.data_ptr<float>();
+  const int64_t* group_ptr = groups_c.data_ptr<int64_t>();
+  const double* hp = hp_c.data_ptr<double>();
+  const int64_t G = hp_c.size(0);
+
+  std::vector<Segment> segs;
+  std::vector<KernelFn> fns;
+  std::vector<int64_t> offsets;  // prefix sums of the non-empty segments' numel
+  segs.reserve(S);
+  fns.reserve(S);
+  offsets.reserve(S + 1);
+  offsets.push_back(0);
+  for (int64_t i = 0; i < S; ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& g = grads[i];
+    const at::Tensor& m = exp_avgs[i];
+    const at::Tensor& v = exp_avg_sqs[i];
+    const int64_t gi = group_ptr[i];
+    TORCH_CHECK(gi >= 0 && gi < G, "fused_adamw_: segment_groups[", i, "] = ", gi,
+                " is out of range for ", G, " groups");
+    const double* h = hp + gi * kCols;
+    const bool ams = h[5] != 0.0;
+    TORCH_CHECK(p.defined() && g.defined() && m.defined() && v.defined(),
+                "fused_adamw_: segment ", i, " has an undefined tensor");
+    const int pk = kind_of(p.scalar_type());
+    TORCH_CHECK(pk >= 0, "fused_adamw_: params[", i, "] has dtype ", p.scalar_type(),
+                "; supported: float32, bfloat16, float16");
+    TORCH_CHECK(g.scalar_type() == p.scalar_type(), "fused_adamw_: grads[", i,
+                "] has dtype ", g.scalar_type(), " but params[", i, "] has ", p.scalar_type());
+    TORCH_CHECK(m.scalar_type() == v.scalar_type() &&
+                    (m.scalar_type() == p.scalar_type() || m.scalar_type() == at::kFloat),
+                "fused_adamw_: exp_avgs[", i, "] and exp_avg_sqs[", i,
+                "] must both have the param's dtype (", p.scalar_type(), ") or float32, got ",
+                m.scalar_type(), " and ", v.scalar_type());
+    const int64_t n = p.numel();
+    TORCH_CHECK(g.numel() == n && m.numel() == n && v.numel() == n, "fused_adamw_: segment ",
+                i, " has mismatched numel: param ", n, ", grad ", g.numel(), ", exp_avg ",
+                m.numel(), ", exp_avg_sq ", v.numel());
+    TORCH_CHECK(p.is_contiguous() && g.is_contiguous() && m.is_contiguous() &&
+                    v.is_contiguous(),
+                "fused_adamw_: segment ", i, " has a non-contiguous tensor (the Python "
+                "wrapper zero_ext.kernels.fused_adamw_ accepts those)");
+    TORCH_CHECK(p.device().is_cpu() && g.device().is_cpu() && m.device().is_cpu() &&
+                    v.device().is_cpu(),
+                "fused_adamw_ (CPU): segment ", i, " has a tensor that is not on the CPU");
+    void* vmax_ptr = nullptr;
+    if (ams) {
+      TORCH_CHECK(!max_exp_avg_sqs.empty(), "fused_adamw_: group ", gi,
+                  " uses amsgrad but max_exp_avg_sqs is empty");
+      const at::Tensor& x = max_exp_avg_sqs[i];
+      TORCH_CHECK(x.defined() && x.numel() == n && x.scalar_type() == m.scalar_type() &&
+                      x.is_contiguous() && x.device().is_cpu(),
+                  "fused_adamw_: max_exp_avg_sqs[", i, "] must be a contiguous CPU tensor "
+                  "with ", n, " elements of dtype ", m.scalar_type());
+      vmax_ptr = x.data_ptr();
+    }
+    if (n == 0) continue;
+    Segment s;
+    s.p = p.data_ptr();
+    s.g = g.const_data_ptr();
+    s.m = m.data_ptr();
+    s.v = v.data_ptr();
+    s.vmax = vmax_ptr;
+    s.pkind = pk;
+    s.skind = kind_of(m.scalar_type());
+    s.sc = make_scalars(h, double(step_ptr[i]), scale);
+    segs.push_back(s);
+    fns.push_back(pick_kernel(pk, s.skind, ams));
+    offsets.push_back(offsets.back() + n);
+  }
+  const int64_t total = offsets.back();
+  if (total == 0) return;
+
+  // One parallel loop over the virtual element space of all segments of all groups.
+  at::parallel_for(0, total, kGrain, [&](int64_t begin, int64_t end) {
+    int64_t k = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
+    int64_t pos = begin;
+    while (pos < end) {
+      const int64_t seg_lo = offsets[k], seg_hi = offsets[k + 1];
+      const int64_t stop = std::min(end, seg_hi);
+      fns[k](segs[k], pos - seg_lo, stop - seg_lo);
+      pos = stop;
+      ++k;
+    }
+  });
+}
+
+}  // namespace
+}  // namespace zero_ext
+
+TORCH_LIBRARY_IMPL(zero_ext, CPU, m) {
+  m.impl("fused_adamw_", &zero_ext::fused_adamw_cpu);
+}

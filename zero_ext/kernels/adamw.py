@@ -1,0 +1,299 @@
+"""One AdamW step over many segments of many param groups: ``torch.ops.zero_ext.fused_adamw_``.
+
+A *segment* is a contiguous run of elements: a whole param, or a flat range (a 1-D view) of
+a param or of a flat buffer. Segment ``i`` is ``params[i]`` with its ``grads[i]``,
+``exp_avgs[i]``, ``exp_avg_sqs[i]`` (and ``max_exp_avg_sqs[i]`` when its group uses amsgrad),
+all with the same numel and on one device. Every segment names its group
+(``segment_groups[i]``), and ``group_hparams[g]`` holds that group's hyperparameters, so all
+groups are updated by one kernel launch (CUDA) or one parallel loop (CPU).
+
+- params: float32, bfloat16 or float16 (several dtypes may be mixed in one call); grads have
+  their param's dtype; the moments have the param's dtype (as ``torch.optim.AdamW`` keeps
+  them) or float32. The math runs in float32, scalars in float64 cast once (DESIGN.md §7).
+- steps: float32 ``[S]`` on the CPU or the params' device: each segment's step count *after*
+  the caller incremented it.
+- segment_groups: int64 ``[S]`` on the CPU. group_hparams: float64 ``[G, 7]`` on the CPU with
+  columns :data:`HPARAM_COLUMNS`; :func:`group_hparams_table` builds it from group dicts.
+- max_exp_avg_sqs: empty when no group uses amsgrad, else ``S`` entries (entries of segments
+  whose group has no amsgrad may be empty tensors).
+- grad_scale (optional float32, one element): grads are divided by it. found_inf (optional
+  float32, one element): when nonzero the whole call is a no-op (the caller reverts steps).
+  On CUDA both live on the params' device and are read there (no host sync).
+
+Non-contiguous tensors, and dtypes the kernels do not cover (float64), are accepted by the
+wrapper :func:`fused_adamw_`: contiguous copies are staged and written back, float64 segments
+run the reference. :func:`fused_adamw_reference_` is the pure-PyTorch oracle of the tests.
+Unlike ``torch._fused_adamw_`` the op never writes the grads (they are not mutable in the
+schema), so grads keep their scaled values after a step with ``grad_scale``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Iterable, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ._loader import ensure_loaded, native_available
+
+__all__ = [
+    "HPARAM_COLUMNS",
+    "NATIVE_DTYPES",
+    "fused_adamw_",
+    "fused_adamw_reference_",
+    "group_hparams_table",
+]
+
+HPARAM_COLUMNS = ("lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize")
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_OP = "fused_adamw_"
+
+
+def group_hparams_table(groups: Iterable) -> Tensor:
+    """float64 ``[G, 7]`` CPU table of :data:`HPARAM_COLUMNS`, one row per group.
+
+    Each group is a torch-style dict (``lr``, ``betas``, ``eps``, ``weight_decay`` and
+    optionally ``amsgrad``, ``maximize``; tensor values are read with ``float()``), or a
+    sequence of the 7 numbers.
+    """
+    rows = []
+    for i, g in enumerate(groups):
+        if isinstance(g, Mapping):
+            try:
+                beta1, beta2 = g["betas"]
+                row = [float(g["lr"]), float(beta1), float(beta2), float(g["eps"]),
+                       float(g["weight_decay"]), float(bool(g.get("amsgrad", False))),
+                       float(bool(g.get("maximize", False)))]
+            except KeyError as exc:
+                raise KeyError(f"group_hparams_table: group {i} has no {exc.args[0]!r}") from None
+        else:
+            row = [float(x) for x in g]
+            if len(row) != len(HPARAM_COLUMNS):
+                raise ValueError(f"group_hparams_table: row {i} has {len(row)} values, "
+                                 f"expected {len(HPARAM_COLUMNS)} {HPARAM_COLUMNS}")
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.float64).reshape(-1, len(HPARAM_COLUMNS))
+
+
+# --------------------------------------------------------------------------- reference
+
+def fused_adamw_reference_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    max_exp_avg_sqs: Sequence[Tensor],
+    steps: Tensor,
+    segment_groups: Tensor,
+    group_hparams: Tensor,
+    grad_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    """Pure-PyTorch :func:`fused_adamw_`: the same arithmetic as ``torch.optim.AdamW``'s
+    for-loop, in float32 (float64 for float64 params), state written back in its own dtype."""
+    S = len(params)
+    _check_lengths(S, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, segment_groups)
+    if S == 0:
+        return
+    if found_inf is not None and float(found_inf.reshape(-1)[0]) != 0.0:
+        return
+    table = group_hparams.tolist()
+    step_values = steps.tolist()
+    groups = segment_groups.tolist()
+    with torch.no_grad():
+        for i in range(S):
+            p = params[i]
+            if p.numel() == 0:
+                continue
+            lr, beta1, beta2, eps, wd, amsgrad, maximize = table[groups[i]]
+            step = step_values[i]
+            cdt = torch.float64 if p.dtype == torch.float64 else torch.float32
+            g = grads[i].to(cdt, copy=True)
+            if maximize:
+                g.neg_()
+            if grad_scale is not None:
+                g.div_(grad_scale.to(device=g.device, dtype=cdt))
+            p32 = p.to(cdt, copy=True)
+            m = exp_avgs[i].to(cdt, copy=True)
+            v = exp_avg_sqs[i].to(cdt, copy=True)
+            p32.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            bias_correction1 = 1 - beta1 ** step
+            bias_correction2 = 1 - beta2 ** step
+            step_size = lr / bias_correction1
+            bias_correction2_sqrt = bias_correction2 ** 0.5
+            if amsgrad:
+                if not max_exp_avg_sqs or max_exp_avg_sqs[i].numel() != p.numel():
+                    raise ValueError(f"fused_adamw_: segment {i} uses amsgrad but "
+                                     "max_exp_avg_sqs has no matching entry")
+                vmax = max_exp_avg_sqs[i].to(cdt, copy=True)
+                torch.maximum(vmax, v, out=vmax)
+                denom = (vmax.sqrt() / bias_correction2_sqrt).add_(eps)
+                max_exp_avg_sqs[i].copy_(vmax)
+            else:
+                denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+            p32.addcdiv_(m, denom, value=-step_size)
+            p.copy_(p32)
+            exp_avgs[i].copy_(m)
+            exp_avg_sqs[i].copy_(v)
+
+
+def _check_lengths(S, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, segment_groups):
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == S):
+        raise ValueError("fused_adamw_: params, grads, exp_avgs and exp_avg_sqs must have the "
+                         f"same length, got {S}, {len(grads)}, {len(exp_avgs)}, "
+                         f"{len(exp_avg_sqs)}")
+    if len(max_exp_avg_sqs) not in (0, S):
+        raise ValueError("fused_adamw_: max_exp_avg_sqs must be empty or have one entry per "
+                         f"segment ({S}), got {len(max_exp_avg_sqs)}")
+    if steps.numel() != S or segment_groups.numel() != S:
+        raise ValueError(f"fused_adamw_: steps and segment_groups need {S} entries, got "
+                         f"{steps.numel()} and {segment_groups.numel()}")
+
+
+# --------------------------------------------------------------------------- wrapper
+
+def fused_adamw_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    max_exp_avg_sqs: Optional[Sequence[Tensor]],
+    steps: Tensor,
+    segment_groups: Tensor,
+    group_hparams: Tensor,
+    grad_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    """One fused AdamW step over all segments (see the module docstring).
+
+    Runs ``torch.ops.zero_ext.fused_adamw_`` when it has a kernel for the params' device,
+    else :func:`fused_adamw_reference_`. The native op validates everything before it writes
+    anything; when it rejects the inputs only because some tensors are non-contiguous or of a
+    dtype it does not cover, those segments are staged (or run by the reference) here, so the
+    common all-contiguous call pays no per-tensor Python checks.
+    """
+    params = list(params)
+    grads = list(grads)
+    exp_avgs = list(exp_avgs)
+    exp_avg_sqs = list(exp_avg_sqs)
+    max_exp_avg_sqs = list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else []
+    device = params[0].device if params else torch.device("cpu")
+    if not native_available(_OP, device):
+        fused_adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                               segment_groups, group_hparams, grad_scale, found_inf)
+        return
+    _register_fakes()
+    try:
+        torch.ops.zero_ext.fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                                        steps, segment_groups, group_hparams, grad_scale,
+                                        found_inf)
+        return
+    except RuntimeError:
+        plan = _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                             segment_groups, group_hparams)
+        if plan is None:  # the inputs are wrong for another reason: report the op's error
+            raise
+    _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                segment_groups, group_hparams, grad_scale, found_inf)
+
+
+def _native_ok(p: Tensor, m: Tensor, v: Tensor, x: Optional[Tensor]) -> bool:
+    if p.dtype not in NATIVE_DTYPES or m.dtype != v.dtype:
+        return False
+    if m.dtype != p.dtype and m.dtype != torch.float32:
+        return False
+    return x is None or x.dtype == m.dtype
+
+
+def _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segment_groups,
+                  group_hparams):
+    """Which segments need contiguous copies / the reference; None when none do."""
+    S = len(params)
+    if (len(grads) != S or len(exp_avgs) != S or len(exp_avg_sqs) != S
+            or len(max_exp_avg_sqs) not in (0, S) or segment_groups.numel() != S
+            or group_hparams.dim() != 2 or group_hparams.size(1) != len(HPARAM_COLUMNS)):
+        return None
+    groups = segment_groups.tolist()
+    table = group_hparams.tolist()
+    if any(not 0 <= g < len(table) for g in groups):
+        return None
+    native, reference, staged = [], [], []
+    for i in range(S):
+        ams = table[groups[i]][5] != 0.0
+        x = max_exp_avg_sqs[i] if ams and max_exp_avg_sqs else None
+        seg = [params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]] + ([x] if x is not None else [])
+        if any(t.numel() != params[i].numel() for t in seg):
+            return None
+        if not _native_ok(params[i], exp_avgs[i], exp_avg_sqs[i], x):
+            reference.append(i)
+            continue
+        native.append(i)
+        if not all(t.is_contiguous() for t in seg):
+            staged.append(i)
+    if not reference and not staged:
+        return None
+    return native, reference, staged
+
+
+def _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                segment_groups, group_hparams, grad_scale, found_inf):
+    native, reference, staged = plan
+    any_ams = bool(max_exp_avg_sqs)
+    writeback = []  # (original, contiguous copy)
+
+    def contig(t: Tensor, mutable: bool) -> Tensor:
+        if t.is_contiguous():
+            return t
+        c = t.contiguous()
+        if mutable:
+            writeback.append((t, c))
+        return c
+
+    if native:
+        stage = set(staged)
+        P, Gr, M, V, X = [], [], [], [], []
+        for i in native:
+            s = i in stage
+            P.append(contig(params[i], True) if s else params[i])
+            Gr.append(contig(grads[i], False) if s else grads[i])
+            M.append(contig(exp_avgs[i], True) if s else exp_avgs[i])
+            V.append(contig(exp_avg_sqs[i], True) if s else exp_avg_sqs[i])
+            if any_ams:
+                x = max_exp_avg_sqs[i]
+                X.append(contig(x, True) if s and x.numel() else x)
+        idx = torch.tensor(native, dtype=torch.long)
+        sub_steps = steps.index_select(0, idx.to(steps.device))
+        sub_groups = segment_groups.index_select(0, idx)
+        torch.ops.zero_ext.fused_adamw_(P, Gr, M, V, X, sub_steps, sub_groups, group_hparams,
+                                        grad_scale, found_inf)
+        for orig, c in writeback:
+            orig.copy_(c)
+    if reference:
+        idx = torch.tensor(reference, dtype=torch.long)
+        fused_adamw_reference_(
+            [params[i] for i in reference], [grads[i] for i in reference],
+            [exp_avgs[i] for i in reference], [exp_avg_sqs[i] for i in reference],
+            [max_exp_avg_sqs[i] for i in reference] if any_ams else [],
+            steps.index_select(0, idx.to(steps.device)), segment_groups.index_select(0, idx),
+            group_hparams, grad_scale, found_inf)
+
+
+# --------------------------------------------------------------------------- fake kernel
+
+def _register_fakes() -> None:
+    """Register the fake (meta) kernel once the native library (which holds the schema) is
+    loaded; a mutating op with no outputs only has to accept its inputs."""
+    if _register_fakes.done or not ensure_loaded():
+        return
+    _register_fakes.done = True
+
+    @torch.library.register_fake("zero_ext::fused_adamw_")
+    def _fused_adamw_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                          segment_groups, group_hparams, grad_scale=None, found_inf=None):
+        return None
+
+
+_register_fakes.done = False

@@ -138,7 +138,8 @@ def validate_hyperparameters(optimizer_class: type, groups: list[dict], defaults
             for i, b in enumerate(betas):
                 val = _number(b)
                 if val is None or not 0.0 <= val < 1.0:
-                    raise ValueError(f"Invalid beta parameter at index {i} in {where}: {b}")
+                    raise ValueError(f"Invalid betas in {where}: beta parameter at index {i} "
+                                     f"must be in [0, 1), got {b}")
 
 
 # ------------------------------------------------------------------ cross-rank fingerprint

@@ -13,13 +13,13 @@ import torch.distributed as dist
 
 _GLOO_SAFE = {torch.float32, torch.float64, torch.float16, torch.int32, torch.int64,
               torch.uint8, torch.int8}
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SAME_WIDTH = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}
 
 
 def wire_view(t: torch.Tensor, backend: str) -> torch.Tensor:
     """A view of `t` in a dtype every backend can move (same bytes)."""
     if backend == "gloo" and t.dtype not in _GLOO_SAFE:
-        return t.view(_SAME_WIDTH_INT[t.element_size()])
+        return t.view(_SAME_WIDTH[t.element_size()])  # a copy, no arithmetic
     return t
 
 

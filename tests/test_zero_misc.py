@@ -182,7 +182,8 @@ def test_local_numel_and_balance(world, name):
 
 # --------------------------------------------------------------------------------------------
 # parameters_as_bucket_view=True: trainable params of one (device, dtype) are views sharing
-# one storage; frozen params stay out; the views survive steps and add_param_group
+# one storage; frozen params stay out; the views survive steps and add_param_group (whose
+# params become views too, possibly into a bucket of their own)
 
 
 def _storage_report(ps):
@@ -210,8 +211,10 @@ def bucket_view_storage(ctx):
     for s in range(3, 5):
         fake_grads(ps + extra, s)
         opt.step()
-    after_add = _storage_report(ps + extra)
+    after_add = _storage_report(ps)
+    added = _storage_report(extra)
     return {"at_init": at_init, "after_steps": after_steps, "after_add": after_add,
+            "added": added,
             "values_kept": all(torch.equal(a, b) for a, b in zip(values_before,
                                                                     values_after_init))}
 
@@ -235,4 +238,9 @@ def test_bucket_view_shares_storage(world):
         assert v["values_kept"], f"rank {r}: building the buckets changed param values"
         _check_buckets(v["at_init"], f"rank {r} after construction")
         _check_buckets(v["after_steps"], f"rank {r} after steps")
+        # add_param_group may put the new params in a bucket of their own, but the old
+        # views must survive it and the new params must be bucket views too
         _check_buckets(v["after_add"], f"rank {r} after add_param_group")
+        _check_buckets(v["added"], f"rank {r}, the added group")
+        assert all(x["nbytes"] > 4 * 16 for x in v["added"]), (
+            f"rank {r}: the added params are not views into a bucket")

@@ -8,7 +8,7 @@ import torch
 from zero_ext.kernels import flatten as F
 from zero_ext.kernels._loader import native_available
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SENTINEL = 7
 
@@ -20,7 +20,8 @@ def _native(device):
 def _make(shape, dtype, device, gen):
     if dtype.is_floating_point:
         return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
-    return torch.randint(-1000, 1000, shape, generator=gen).to(dtype=dtype, device=device)
+    low = 0 if dtype == torch.uint8 else -1000
+    return torch.randint(low, 250, shape, generator=gen).to(dtype=dtype, device=device)
 
 
 def _case(name, dtype, device):
@@ -137,6 +138,25 @@ def test_bad_flat(impl):
         flatten(ts, torch.zeros(4, 4), [0])
     with pytest.raises(RuntimeError, match="flat must be contiguous"):
         flatten(ts, torch.zeros(8)[::2], [0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_side_stream():
+    # The kernel and its metadata copy run on the current stream, not the default one.
+    gen = torch.Generator().manual_seed(1)
+    ts = [torch.randn(n, generator=gen).cuda() for n in (5, 40_000, 1, 333)]
+    offsets, total = F.aligned_offsets([t.numel() for t in ts], 4)
+    flat = torch.zeros(total, device="cuda")
+    outs = [torch.empty_like(t) for t in ts]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            F.flatten_into(ts, flat, offsets)
+            F.unflatten_from(flat, outs, offsets)
+    stream.synchronize()
+    for t, o in zip(ts, outs):
+        assert torch.equal(t, o)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -163,6 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -170,9 +171,8 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    else:  # share the cores between the ranks on this machine
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    else:  # tiny matrices: one thread per rank beats several, most of all on a busy machine
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = GPT(args.vocab, args.seq_len, args.d_model, args.layers, args.heads).to(device)

@@ -96,37 +96,128 @@ def breakdown(opt) -> dict | None:
     return None
 
 
-def run_config(config, shapes, grads, n_warmup, n_steps):
-    params = make_params(shapes)
-    for p, g in zip(params, grads):
-        p.grad = g
-    groups = make_groups(shapes, params)
-    dist.barrier()
-    t0 = time.perf_counter()
-    opt = build(config, groups)
-    ctor = time.perf_counter() - t0
-    times, parts = [], []
-    for i in range(n_warmup + n_steps):
+def warm_up_constructor(config) -> None:
+    """Construct and step once on a tiny model: lazy imports and one-time registrations are
+    per process, not per optimizer, so they stay out of the constructor time."""
+    tiny = [("w", (8, 4)), ("b", (4,))]
+    params = make_params(tiny)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    build(config, make_groups(tiny, params)).step()
+
+
+class Entry:
+    """One optimizer config under test: its params, optimizer and measurements."""
+
+    def __init__(self, config: str, shapes, grads):
+        warm_up_constructor(config)
+        self.config = config
+        self.params = make_params(shapes)
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        groups = make_groups(shapes, self.params)
         dist.barrier()
         t0 = time.perf_counter()
-        opt.step()
+        self.opt = build(config, groups)
+        self.ctor = time.perf_counter() - t0
+        self.times: list[float] = []
+        self.parts: list[dict] = []
+
+    def step(self, timed: bool) -> None:
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.opt.step()
         dt = time.perf_counter() - t0
-        if i >= n_warmup:
-            times.append(dt)
-            b = breakdown(opt)
+        if timed:
+            self.times.append(dt)
+            b = breakdown(self.opt)
             if b is not None:
-                parts.append(b)
-    final = torch.cat([p.detach().reshape(-1) for p in params])
-    sb = state_bytes(opt)
-    ln = local_numel(opt)
-    info = {"ctor_s": ctor, "step_s": times, "state_bytes": sb, "local_numel": ln,
-            "breakdown": ({k: statistics.median(b[k] for b in parts) for k in parts[0]}
-                          if parts else None)}
-    if config != "torch":
-        info["sharding_used"] = str(getattr(opt, "sharding", config))
-    del opt, groups, params
+                self.parts.append(b)
+
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    def max_abs_diff(self, other: "Entry") -> float:
+        return max((a.detach() - b.detach()).abs().max().item()
+                   for a, b in zip(self.params, other.params))
+
+    def info(self) -> dict:
+        parts = self.parts
+        out = {"ctor_s": self.ctor, "step_s": self.times, "state_bytes": state_bytes(self.opt),
+               "local_numel": local_numel(self.opt),
+               "breakdown": ({k: statistics.median(b[k] for b in parts) for k in parts[0]}
+                             if parts else None)}
+        if self.config != "torch":
+            out["sharding_used"] = str(getattr(self.opt, "sharding", self.config))
+        return out
+
+    def close(self) -> None:
+        del self.opt, self.params
+        gc.collect()
+
+
+def _guard(errors: dict, config: str, fn):
+    """Run fn(); on an exception record it under config and return None."""
+    try:
+        return fn()
+    except Exception as exc:  # a broken config must not hide the others' numbers
+        errors[config] = f"{type(exc).__name__}: {exc}"
+        return None
+
+
+def run_interleaved(configs, shapes, grads, n_warmup, n_steps, errors) -> dict:
+    """All configs alive at once; each round steps every config once, in an order rotated
+    every round, so that a noisy neighbour hits all configs alike."""
+    entries = []
+    for c in configs:
+        e = _guard(errors, c, lambda: Entry(c, shapes, grads))
+        if e is not None:
+            entries.append(e)
+        dist.barrier()
+    for i in range(n_warmup + n_steps):
+        k = i % max(1, len(entries))
+        for e in entries[k:] + entries[:k]:
+            if e.config not in errors:  # a config that failed once is left out
+                _guard(errors, e.config, lambda: e.step(i >= n_warmup))
+    live = [e for e in entries if e.config not in errors]
+    ref = next((e for e in live if e.config == "torch"), None)
+    results = {}
+    for e in live:
+        info = e.info()
+        if ref is not None:
+            info["max_abs_diff"] = 0.0 if e is ref else e.max_abs_diff(ref)
+        results[e.config] = info
+    for e in entries:
+        e.close()
+    return results
+
+
+def run_sequential(configs, shapes, grads, n_warmup, n_steps, errors) -> dict:
+    """One config at a time (less memory); torch's final params kept as the reference."""
+    results, ref = {}, None
+    for c in configs:
+        def one():
+            e = Entry(c, shapes, grads)
+            for i in range(n_warmup + n_steps):
+                e.step(i >= n_warmup)
+            info, final = e.info(), e.flat_params()
+            e.close()
+            return info, final
+
+        got = _guard(errors, c, one)
+        dist.barrier()
+        if got is None:
+            continue
+        info, final = got
+        if c == "torch" and ref is None:
+            ref, info["max_abs_diff"] = final, 0.0
+        elif ref is not None:
+            info["max_abs_diff"] = (final - ref).abs().max().item()
+        del final
+        results[c] = info
+    del ref
     gc.collect()
-    return info, final
+    return results
 
 
 # ----------------------------------------------------------------------------- limits
@@ -211,22 +302,9 @@ def run(rank: int, world: int, opts: dict, out_path: str) -> None:
         preload = _preload(opts["configs"])  # imports + native-op load stay out of the timings
         shapes = model_params(opts["small"])
         grads = _filled(shapes, 99, 1e-3)  # identical on every rank
-        results, ref, errors = {}, None, {}
-        for config in opts["configs"]:
-            try:
-                info, final = run_config(config, shapes, grads, opts["warmup"], opts["steps"])
-            except Exception as exc:  # report and carry on with the next config
-                errors[config] = f"{type(exc).__name__}: {exc}"
-                dist.barrier()
-                continue
-            if ref is None and config == "torch":
-                ref = final
-                info["max_abs_diff"] = 0.0
-            elif ref is not None:
-                info["max_abs_diff"] = (final - ref).abs().max().item()
-            del final
-            results[config] = info
-        del ref
+        errors: dict = {}
+        runner = run_sequential if opts["sequential"] else run_interleaved
+        results = runner(opts["configs"], shapes, grads, opts["warmup"], opts["steps"], errors)
         del grads
         gc.collect()
         total = sum(int(torch.Size(s).numel()) for _, s in shapes)

@@ -8,7 +8,9 @@ Model: GPT-2 small shapes (124,439,808 fp32 params, tied lm head), two groups: 2
 Every rank gets the same seeded params and the same seeded synthetic grads (fixed across
 steps), so all configs see identical inputs.
 
-Configs, run one after the other in the same processes:
+Configs, all alive in the same processes; each round steps every config once, in an order
+rotated every round, so that noise from other work on the machine hits all of them alike
+(--sequential: one config after the other, less memory):
   torch  torch.distributed.optim.ZeroRedundancyOptimizer(parameters_as_bucket_view=True,
          optimizer_class=torch.optim.AdamW, fused=True)  -- torch's best configuration
   param  zero_ext.ZeroRedundancyOptimizer(..., torch.optim.AdamW, bucket view, sharding="param")
@@ -32,12 +34,17 @@ torch.set_num_threads(max(1, cores // world)) (override with --threads). At worl
 ranks therefore oversubscribe 2 cores, which all configs suffer alike; compare ratios within
 one run only (DESIGN.md section 6).
 
-Memory (full size, per process; one full fp32 copy of the model is 498 MB): grads 498 MB
-(shared by all configs) + params 498 MB (about twice that while a bucket-view constructor
-copies them into buckets) + AdamW state 2 * 498 / world MB + torch's final params kept as the
-reference 498 MB + the current config's final params 498 MB while comparing. Peak about
-2.5 GB + 1.0 GB / world per process: world 2 about 6 GB, world 4 about 11 GB plus interpreter
-overhead (~0.4 GB per process), within 24 GiB. Use --small for quick runs.
+Memory (full size, per process; one fp32 copy of the model is 498 MB; state is
+exp_avg + exp_avg_sq, 2 * 498 / world MB per config when balanced, up to 2 * 154 MB for the
+token embedding's owner in param mode): grads 498 MB, shared by all configs.
+  interleaved (default): 3 configs x (params 498 MB + state) + grads; a bucket-view constructor
+    briefly holds a second copy of its params (+498 MB). Estimated 3.5 GB per process at
+    world 2 (measured max RSS 4.6 GB per process: 9.3 GB in all), about 3 GB estimated
+    (+ allocator and gloo slack, ~1 GB) per process at world 4: about 16 GB in all.
+  --sequential: grads + one config's params and state + torch's final params kept as the
+    reference + the current final params while comparing: about 2.0 GB + 1.0 GB / world per
+    process; world 4 about 9 GB in all.
+Both fit in 24 GiB at world 4. Use --small for quick runs.
 """
 from __future__ import annotations
 
@@ -196,6 +203,9 @@ def main(argv=None) -> int:
                     help=f"subset of {','.join(CONFIGS)},auto (torch first: it is the baseline)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: auto)")
     ap.add_argument("--tol", type=float, default=1e-5, help="max abs param diff vs torch")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run the configs one after the other (less memory) instead of "
+                         "interleaving their steps")
     ap.add_argument("--no-limits", action="store_true", help="skip the bare-cost measurements")
     ap.add_argument("--limit-reps", type=int, default=5)
     ap.add_argument("--timeout", type=int, default=900, help="gloo timeout, seconds")
@@ -226,7 +236,7 @@ def main(argv=None) -> int:
     for world in worlds:
         threads = args.threads or max(1, cores // world)
         opts = {"threads": threads, "port": _free_port(), "small": args.small,
-                "configs": configs, "warmup": args.warmup, "steps": args.steps,
+                "configs": configs, "sequential": args.sequential, "warmup": args.warmup, "steps": args.steps,
                 "limits": not args.no_limits, "limit_reps": args.limit_reps,
                 "timeout": args.timeout}
         fd, out = tempfile.mkstemp(prefix=f"zero_step_w{world}_", suffix=".json")

@@ -2,22 +2,39 @@
 
 torch's format: {"state": {global index: {name: value}}, "param_groups": [{..., "params":
 [global indices]}]}, indices numbering params in the user's group order. A rank holds
-"pieces" of that state: whole params ("param" mode) or element ranges of them ("flat"
+"segments" of that state: whole params ("param" mode) or element ranges of them ("flat"
 mode). Per-element values (exp_avg, momentum_buffer, ...) are split with the param; scalar
-values (step, 0-d tensors, numbers) are the same for every piece of a param.
+values (step, 0-d tensors, numbers) are the same for every segment of a param.
+
+This module owns three things:
+- `local_state(opt)`: this rank's segments as views (no copies), plus scalars; shared by the
+  consolidation below and by the sharded checkpoints (checkpoint.py).
+- `consolidate(opt, to)`: the full state on rank `to` only. Tensors travel with point-to-point
+  sends in messages of at most CONSOLIDATE_CHUNK elements (no pickling of tensors); only
+  the small description of every rank's segments goes through gather_object. Peak extra
+  memory: full state + one chunk on `to`, one chunk elsewhere (none when every message is
+  a view of a single state tensor, the usual case for big params).
+- `load(opt, torch_format_dict)` and `install(...)`: put state into the local optimizer.
 """
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from . import layout
+from .sync import wire_view
 
 if TYPE_CHECKING:  # pragma: no cover
     from .zero import ZeroRedundancyOptimizer
+
+# Elements per consolidation message (also the size of the staging buffer when a message
+# packs several small segments, or when the transport device differs from the state's).
+CONSOLIDATE_CHUNK = int(os.environ.get("ZERO_EXT_CONSOLIDATE_CHUNK", str(1 << 22)))
 
 
 def _is_per_element(value, numel: int) -> bool:
@@ -28,23 +45,67 @@ def _clone(value):
     return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
-def local_param_ids(opt: "ZeroRedundancyOptimizer", gi: int) -> list[int]:
-    """Param mode: global indices of this rank's params in group gi, in local order."""
-    return [pid for pid, (g, r) in enumerate(zip(opt._group_of, opt._owner))
-            if g == gi and r == opt.rank]
+def _portable(value):
+    """A CPU copy of a scalar state value, safe to pickle and to hand out."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return copy.deepcopy(value)
 
 
-def local_pieces(opt: "ZeroRedundancyOptimizer", to_cpu: bool = True) -> list[tuple]:
-    """This rank's state as pieces: ("whole", pid, state) or
-    ("part", pid, start, length, per_element {name: 1-D}, scalars {name: value})."""
-    move = (lambda t: t.detach().to("cpu", copy=True)) if to_cpu else (lambda t: t.detach())
-    out: list[tuple] = []
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+
+
+# ------------------------------------------------------------------------ local segments
+
+
+@dataclass
+class Segment:
+    """A run of one state tensor of one param that this rank holds."""
+
+    pid: int                  # global param index (torch's state-dict numbering)
+    name: str                 # state name ("exp_avg", ...)
+    start: int                # first element inside the param (flattened); 0 for whole
+    length: int
+    tensor: torch.Tensor      # 1-D contiguous view of the local state (no copy)
+    whole_shape: tuple | None = None  # set for dim>0 tensors that are not per-element
+
+    def describe(self) -> tuple:
+        return (self.pid, self.name, self.start, self.length, str(self.tensor.dtype),
+                self.whole_shape)
+
+
+@dataclass
+class LocalState:
+    segments: list[Segment] = field(default_factory=list)
+    scalars: dict[int, dict] = field(default_factory=dict)   # pid -> {name: value}
+    order: dict[int, list[str]] = field(default_factory=dict)  # pid -> state names
+
+    def describe(self) -> dict:
+        """Small, picklable: what the segments are, scalars copied to CPU."""
+        return {"segs": [s.describe() for s in self.segments],
+                "scalars": {pid: {k: _portable(v) for k, v in sc.items()}
+                            for pid, sc in self.scalars.items()},
+                "order": dict(self.order)}
+
+
+def local_state(opt: "ZeroRedundancyOptimizer") -> LocalState:
+    """This rank's optimizer state as segments (views into the local optimizer's state)."""
+    out = LocalState()
     if opt.sharding == layout.PARAM:
         for pid, (p, r) in enumerate(zip(opt._all_params, opt._owner)):
             st = opt.optim.state.get(p) if r == opt.rank else None
-            if st:
-                out.append(("whole", pid, {k: move(v) if isinstance(v, torch.Tensor)
-                                            else copy.deepcopy(v) for k, v in st.items()}))
+            if not st:
+                continue
+            out.order[pid] = list(st)
+            numel = p.numel()
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() > 0:
+                    whole = None if v.numel() == numel else tuple(v.shape)
+                    out.segments.append(Segment(pid, k, 0, v.numel(), _flat(v), whole))
+                else:  # 0-d and empty tensors, numbers, anything else: small
+                    out.scalars.setdefault(pid, {})[k] = v
         return out
     for sh in opt._shards:
         for run in sh["runs"]:
@@ -54,61 +115,289 @@ def local_pieces(opt: "ZeroRedundancyOptimizer", to_cpu: bool = True) -> list[tu
             n = run["end"] - run["start"]
             for pc in run["pieces"]:
                 rel = pc.bucket_start - sh["lo"] - run["start"]
-                elems = {k: move(v.reshape(-1)[rel:rel + pc.length]).clone()
-                         for k, v in st.items() if _is_per_element(v, n)}
-                scalars = {k: (move(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-                           for k, v in st.items() if not _is_per_element(v, n)}
-                out.append(("part", pc.param_id, pc.start, pc.length, elems, scalars))
+                out.order.setdefault(pc.param_id, list(st))
+                for k, v in st.items():
+                    if _is_per_element(v, n):
+                        out.segments.append(Segment(pc.param_id, k, pc.start, pc.length,
+                                                    _flat(v)[rel:rel + pc.length]))
+                    else:
+                        out.scalars.setdefault(pc.param_id, {}).setdefault(k, v)
     return out
 
 
+def local_pieces(opt: "ZeroRedundancyOptimizer", to_cpu: bool = True) -> list[tuple]:
+    """This rank's state as pieces ("part", pid, start, length, {name: 1-D}, scalars)
+    (copies; kept for callers that want plain tensors rather than views)."""
+    loc = local_state(opt)
+    move = (lambda t: t.to("cpu", copy=True)) if to_cpu else (lambda t: t.clone())
+    by_piece: dict[tuple, dict] = {}
+    for s in loc.segments:
+        t = move(s.tensor) if s.whole_shape is None else move(s.tensor).view(s.whole_shape)
+        by_piece.setdefault((s.pid, s.start, s.length), {})[s.name] = t
+    return [("part", pid, start, length, elems,
+             {k: _portable(v) for k, v in loc.scalars.get(pid, {}).items()})
+            for (pid, start, length), elems in by_piece.items()]
+
+
+# ------------------------------------------------------------------------ consolidation
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.replace("torch.", ""))
+
+
+def message_plan(seg_descs: list[tuple], chunk: int) -> list[tuple[str, list[tuple]]]:
+    """How one rank's segments travel: [(dtype, [(segment index, offset, length), ...])].
+
+    Per dtype, in segment order: a segment of at least chunk/2 elements goes alone, cut into
+    messages of at most `chunk` (a view on both ends: no copy); smaller ones are packed
+    together up to `chunk` elements. Sender and receiver compute the same plan.
+    """
+    chunk = max(1, int(chunk))
+    by_dtype: dict[str, list[int]] = {}
+    for i, d in enumerate(seg_descs):
+        if d[3] > 0:
+            by_dtype.setdefault(d[4], []).append(i)
+    plan: list[tuple[str, list[tuple]]] = []
+    for dt in sorted(by_dtype):
+        pack: list[tuple] = []
+        packed = 0
+        for i in by_dtype[dt]:
+            n = seg_descs[i][3]
+            if 2 * n >= chunk:
+                for off in range(0, n, chunk):
+                    plan.append((dt, [(i, off, min(chunk, n - off))]))
+                continue
+            if packed + n > chunk:
+                plan.append((dt, pack))
+                pack, packed = [], 0
+            pack.append((i, 0, n))
+            packed += n
+        if pack:
+            plan.append((dt, pack))
+    return plan
+
+
+def _transport_device(opt) -> torch.device:
+    if opt.world_size > 1 and "nccl" in str(dist.get_backend(opt.process_group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _Staging:
+    """One buffer of at most `chunk` elements per dtype, allocated on first use."""
+
+    def __init__(self, chunk: int, device: torch.device):
+        self.chunk, self.device, self.bufs = chunk, device, {}
+
+    def get(self, dtype: str, n: int) -> torch.Tensor:
+        if dtype not in self.bufs:
+            self.bufs.clear()  # one dtype at a time: the plan is sorted by dtype
+            self.bufs[dtype] = torch.empty(self.chunk, dtype=_dtype(dtype), device=self.device)
+        return self.bufs[dtype][:n]
+
+
+def _send_segments(opt, segments: list[Segment], dst: int, chunk: int) -> None:
+    dev = _transport_device(opt)
+    backend = dist.get_backend(opt.process_group)
+    staging = _Staging(chunk, dev)
+    for dt, parts in message_plan([s.describe() for s in segments], chunk):
+        if len(parts) == 1 and segments[parts[0][0]].tensor.device == dev:
+            i, off, n = parts[0]
+            buf = segments[i].tensor[off:off + n]
+        else:
+            buf = staging.get(dt, sum(n for _, _, n in parts))
+            pos = 0
+            for i, off, n in parts:
+                buf[pos:pos + n].copy_(segments[i].tensor[off:off + n])
+                pos += n
+        dist.send(wire_view(buf, backend), dst=dst, group=opt.process_group)
+
+
+def _recv_segments(opt, seg_descs: list[tuple], dests: list[torch.Tensor], src: int,
+                   chunk: int) -> None:
+    dev = _transport_device(opt)
+    backend = dist.get_backend(opt.process_group)
+    staging = _Staging(chunk, dev)
+    for dt, parts in message_plan(seg_descs, chunk):
+        if len(parts) == 1 and dests[parts[0][0]].device == dev:
+            i, off, n = parts[0]
+            dist.recv(wire_view(dests[i][off:off + n], backend), src=src,
+                      group=opt.process_group)
+            continue
+        buf = staging.get(dt, sum(n for _, _, n in parts))
+        dist.recv(wire_view(buf, backend), src=src, group=opt.process_group)
+        pos = 0
+        for i, off, n in parts:
+            dests[i][off:off + n].copy_(buf[pos:pos + n])
+            pos += n
+
+
+class _FullState:
+    """Rank `to`'s full-size state tensors (CPU), filled segment by segment."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self.covered: dict[tuple, list[tuple[int, int]]] = {}
+        self.scalars: dict[int, dict] = {}
+        self.order: dict[int, list[str]] = {}
+
+    def add_rank(self, desc: dict) -> list[torch.Tensor]:
+        """Allocate what rank's segments need; returns one 1-D destination per segment."""
+        dests = []
+        for pid, name, start, length, dt, whole in desc["segs"]:
+            st = self.tensors.setdefault(pid, {})
+            if whole is not None:
+                if name not in st:
+                    st[name] = torch.empty(whole, dtype=_dtype(dt))
+                dests.append(st[name].view(-1))
+                continue
+            if name not in st:
+                st[name] = torch.empty(self.opt._all_params[pid].numel(), dtype=_dtype(dt))
+            self.covered.setdefault((pid, name), []).append((start, start + length))
+            dests.append(st[name][start:start + length])
+        for pid, sc in desc["scalars"].items():
+            into = self.scalars.setdefault(pid, {})
+            for k, v in sc.items():
+                into.setdefault(k, v)
+        for pid, names in desc["order"].items():
+            self.order.setdefault(pid, names)
+        return dests
+
+    def result(self) -> dict[int, dict]:
+        for (pid, name), spans in self.covered.items():  # elements no rank had: zeros
+            t, pos = self.tensors[pid][name], 0
+            for a, b in sorted(spans):
+                if a > pos:
+                    t[pos:a].zero_()
+                pos = max(pos, b)
+            if pos < t.numel():
+                t[pos:].zero_()
+        full: dict[int, dict] = {}
+        for pid in sorted(set(self.tensors) | set(self.scalars)):
+            shape = self.opt._all_params[pid].shape
+            values = dict(self.scalars.get(pid, {}))
+            for name, t in self.tensors.get(pid, {}).items():
+                values[name] = t.view(shape) if (pid, name) in self.covered else t
+            names = self.order.get(pid, [])
+            full[pid] = {k: values[k] for k in names if k in values}
+            full[pid].update({k: v for k, v in values.items() if k not in full[pid]})
+        return full
+
+
+def consolidate(opt: "ZeroRedundancyOptimizer", to: int) -> dict | None:
+    """Gather every rank's state on rank `to` only; returns the full state there.
+
+    Collective (call on every rank). Tensors move rank -> `to` with send/recv in messages
+    of at most CONSOLIDATE_CHUNK elements; the result lives on the CPU.
+    """
+    if not 0 <= to < opt.world_size:
+        raise ValueError(f"consolidate_state_dict: to={to} is not a rank of the process group "
+                         f"(world size {opt.world_size})")
+    mine = local_state(opt)
+    desc = mine.describe()
+    chunk = CONSOLIDATE_CHUNK
+    if opt.world_size == 1:
+        full = _FullState(opt)
+        for seg, dst in zip(mine.segments, full.add_rank(desc)):
+            dst.copy_(seg.tensor)
+        return full.result()
+    dst_global = dist.get_global_rank(opt.process_group, to)
+    gathered = [None] * opt.world_size if opt.rank == to else None
+    dist.gather_object(desc, gathered, dst=dst_global, group=opt.process_group)
+    if opt.rank != to:
+        _send_segments(opt, mine.segments, dst_global, chunk)
+        return None
+    full = _FullState(opt)
+    per_rank = [full.add_rank(d) for d in gathered]
+    for seg, dst in zip(mine.segments, per_rank[to]):
+        dst.copy_(seg.tensor)
+    for r in range(opt.world_size):
+        if r != to:
+            _recv_segments(opt, gathered[r]["segs"], per_rank[r],
+                           dist.get_global_rank(opt.process_group, r), chunk)
+    return full.result()
+
+
 def assemble(opt: "ZeroRedundancyOptimizer", pieces_per_rank: list[list[tuple]]) -> dict:
-    """Full per-param state {global index: {name: value}} from every rank's pieces."""
+    """Full per-param state {global index: {name: value}} from local_pieces() of every rank."""
     full: dict[int, dict] = {}
     for pieces in pieces_per_rank:
-        for piece in pieces:
-            if piece[0] == "whole":
-                full[piece[1]] = piece[2]
-                continue
-            _, pid, start, length, elems, scalars = piece
+        for _, pid, start, length, elems, scalars in pieces:
             p = opt._all_params[pid]
             st = full.setdefault(pid, {})
             for k, v in scalars.items():
                 st.setdefault(k, v)
             for k, v in elems.items():
+                if not _is_per_element(v, length) or v.dim() != 1:
+                    st[k] = v  # a whole, non-per-element tensor
+                    continue
                 if k not in st:
                     st[k] = torch.zeros(p.numel(), dtype=v.dtype, device=v.device)
                 st[k][start:start + length].copy_(v)
     for pid, st in full.items():
-        shape = opt._all_params[pid].shape
+        p = opt._all_params[pid]
         for k, v in st.items():
-            if _is_per_element(v, opt._all_params[pid].numel()) and v.shape != shape:
-                st[k] = v.view(shape)
+            if _is_per_element(v, p.numel()) and v.shape != p.shape:
+                st[k] = v.view(p.shape)
     return dict(sorted(full.items()))
 
 
-def consolidate(opt: "ZeroRedundancyOptimizer", to: int) -> dict | None:
-    """Gather every rank's pieces on rank `to` only; returns the full state there."""
-    if not 0 <= to < opt.world_size:
-        raise ValueError(f"consolidate_state_dict: to={to} is not a rank of the process group "
-                         f"(world size {opt.world_size})")
-    mine = local_pieces(opt, to_cpu=True)
-    if opt.world_size == 1:
-        return assemble(opt, [mine])
-    gathered = [None] * opt.world_size if opt.rank == to else None
-    dst = dist.get_global_rank(opt.process_group, to)
-    dist.gather_object(mine, gathered, dst=dst, group=opt.process_group)
-    return assemble(opt, gathered) if opt.rank == to else None
-
-
 def torch_format(opt: "ZeroRedundancyOptimizer", full_state: dict) -> dict:
+    return {"state": full_state, "param_groups": torch_groups(opt)}
+
+
+def torch_groups(opt: "ZeroRedundancyOptimizer") -> list[dict]:
     groups, start = [], 0
     for g in opt.param_groups:
         n = len(g["params"])
         groups.append({**{k: v for k, v in g.items() if k != "params"},
                        "params": list(range(start, start + n))})
         start += n
-    return {"state": full_state, "param_groups": groups}
+    return groups
+
+
+# ------------------------------------------------------------------------ loading
+
+
+def local_param_ids(opt: "ZeroRedundancyOptimizer", gi: int) -> list[int]:
+    """Param mode: global indices of this rank's params in group gi, in local order."""
+    return [pid for pid, (g, r) in enumerate(zip(opt._group_of, opt._owner))
+            if g == gi and r == opt.rank]
+
+
+def local_keys(opt: "ZeroRedundancyOptimizer") -> list[list[Any]]:
+    """Per global group, the local optimizer's params in its order, each described as
+    ("param", pid) in param mode or ("run", shard, run) in flat mode."""
+    out = []
+    for gi in range(len(opt.param_groups)):
+        if opt.sharding == layout.PARAM:
+            out.append([("param", pid) for pid in local_param_ids(opt, gi)])
+        else:
+            out.append([("run", sh, run) for sh in opt._shards for run in sh["runs"]
+                        if run["group"] == gi])
+    return out
+
+
+def install(opt: "ZeroRedundancyOptimizer", saved_groups: list[dict],
+            local_states: dict[int, dict]) -> None:
+    """Copy the saved groups' hyperparameters into the optimizer and load `local_states`
+    (local index, as in local_keys order -> state) into the local optimizer. The values
+    must not be shared with anything the caller keeps: the optimizer steps them in place."""
+    for g, sg in zip(opt.param_groups, saved_groups):
+        for k, v in sg.items():
+            if k not in ("params", "param_names"):
+                g[k] = copy.deepcopy(v)
+    local_groups, idx = [], 0
+    for g, keys in zip(opt.param_groups, local_keys(opt)):
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        local_groups.append({**hyper, "params": list(range(idx, idx + len(keys)))})
+        idx += len(keys)
+    opt.optim.load_state_dict({"state": local_states, "param_groups": local_groups})
+    stepper = getattr(opt, "_stepper", None)
+    if stepper is not None and hasattr(stepper, "reset"):
+        stepper.reset()
 
 
 def _check_and_map(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> dict[int, dict]:
@@ -144,36 +433,21 @@ def _check_and_map(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> dict[int
 
 
 def load(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> None:
+    """Load a torch-format optimizer state dict (the caller's dict is never aliased)."""
     saved = _check_and_map(opt, state_dict)
-    for g, sg in zip(opt.param_groups, state_dict["param_groups"]):
-        for k, v in sg.items():
-            if k not in ("params", "param_names"):
-                g[k] = copy.deepcopy(v)
-
-    local_groups, local_state, idx = [], {}, 0
-    for gi, g in enumerate(opt.param_groups):
-        hyper = {k: v for k, v in g.items() if k != "params"}
-        ids = []
-        if opt.sharding == layout.PARAM:
-            for pid in local_param_ids(opt, gi):
-                if pid in saved:
-                    local_state[idx] = {k: _clone(v) for k, v in saved[pid].items()}
-                ids.append(idx)
-                idx += 1
-        else:
-            for sh in opt._shards:
-                for run in sh["runs"]:
-                    if run["group"] != gi:
-                        continue
-                    st = _run_state(sh, run, saved, opt)
-                    if st:
-                        local_state[idx] = st
-                    ids.append(idx)
-                    idx += 1
-        local_groups.append({**hyper, "params": ids})
-    opt.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
-    if opt._stepper is not None:
-        opt._stepper.reset()
+    local_state_: dict[int, dict] = {}
+    idx = 0
+    for keys in local_keys(opt):
+        for key in keys:
+            if key[0] == "param":
+                if key[1] in saved:
+                    local_state_[idx] = {k: _clone(v) for k, v in saved[key[1]].items()}
+            else:
+                st = _run_state(key[1], key[2], saved, opt)
+                if st:
+                    local_state_[idx] = st
+            idx += 1
+    install(opt, state_dict["param_groups"], local_state_)
 
 
 def _run_state(sh: dict, run: dict, saved: dict, opt) -> dict:

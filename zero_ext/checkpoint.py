@@ -1,0 +1,584 @@
+"""Sharded, atomic, elastic checkpoints of zero_ext.ZeroRedundancyOptimizer.
+
+    from zero_ext import checkpoint
+    checkpoint.save(opt, "ckpt/optim")   # every rank writes only its own state
+    checkpoint.load(opt, "ckpt/optim")   # any world size, either sharding mode
+
+    python -m zero_ext.checkpoint convert ckpt/optim optim.pt   # -> plain torch format
+    python -m zero_ext.checkpoint info ckpt/optim
+
+Layout on disk: one torch.distributed.checkpoint (DCP, filesystem storage) directory. Every
+per-element state tensor (exp_avg, ...) of every param is stored as 1-D chunks under the key
+"state/<param index>/<name>/<first element>": each rank writes the chunks of the elements
+it owns, cut at multiples of SAVE_CHUNK elements inside the param so that no stored item is
+bigger than that. Other tensors with dims (param mode only, e.g. factored statistics) are
+stored whole as "state/<param index>/<name>/whole". Next to DCP's own ".metadata", rank 0
+writes META_NAME: the params' shapes/dtypes/groups, the group hyperparameters, the scalar
+state (step, ...) and the map of chunks. Nothing is ever gathered: save sends only that small
+description to rank 0, load reads on each rank exactly the element ranges it owns now.
+
+Atomicity: save writes into "<path>.zero_ext-tmp", then rank 0 renames the previous
+checkpoint to "<path>.zero_ext-old", the new one to <path>, and deletes the old one. A save
+interrupted at any point leaves a complete checkpoint at <path> (or, between the two renames,
+at "<path>.zero_ext-old", which load and the next save recover).
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import os
+import shutil
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .zero import ZeroRedundancyOptimizer
+
+FORMAT = "zero_ext.sharded_optimizer_checkpoint"
+VERSION = 1
+META_NAME = "zero_ext_meta.pt"
+TMP_SUFFIX = ".zero_ext-tmp"
+OLD_SUFFIX = ".zero_ext-old"
+# Largest stored item, in elements (loading reads stored items whole, then keeps the part
+# it needs: this bounds the transient memory of a load).
+SAVE_CHUNK = int(os.environ.get("ZERO_EXT_SAVE_CHUNK", str(1 << 23)))
+
+# Test hook: called on rank 0 with the final path after the new checkpoint is complete in the
+# temporary directory and before it is swapped into place (raising here simulates a crash).
+_before_swap: Callable[[str], None] | None = None
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.replace("torch.", ""))
+
+
+def _ranges(start: int, end: int, chunk: int):
+    """[start, end) cut at the multiples of `chunk`."""
+    a = start
+    while a < end:
+        b = min(end, (a // chunk + 1) * chunk)
+        yield a, b
+        a = b
+
+
+def _agree(opt, error: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed (one small collective), and raises."""
+    if opt.world_size == 1 or opt.process_group is None:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else (type(error).__name__, str(error))
+    everyone: list = [None] * opt.world_size
+    dist.all_gather_object(everyone, mine, group=opt.process_group)
+    if error is not None:
+        raise error
+    for r, e in enumerate(everyone):
+        if e is not None:
+            cls = ValueError if e[0] == "ValueError" else RuntimeError
+            raise cls(f"{what}: rank {r} failed ({e[0]}: {e[1]}); every rank stops here")
+
+
+class _quiet_single_process(warnings.catch_warnings):
+    """DCP warns that it assumes a single process when torch.distributed is not initialized:
+    that is exactly what we mean at world 1 without a process group."""
+
+    def __enter__(self):
+        super().__enter__()
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        return self
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    return os.path.isfile(os.path.join(os.fspath(path), META_NAME))
+
+
+def _existing(path: str) -> str:
+    """Where the checkpoint for `path` is: `path` itself, or the previous one that a save
+    interrupted between its two renames left aside."""
+    if not os.path.exists(path) and is_checkpoint(path + OLD_SUFFIX):
+        return path + OLD_SUFFIX
+    return path
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """The small metadata file of a checkpoint (no tensors of the state)."""
+    path = _existing(os.path.abspath(os.fspath(path)))
+    file = os.path.join(path, META_NAME)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no zero_ext optimizer checkpoint at {path} "
+                                f"({META_NAME} is missing)")
+    meta = torch.load(file, map_location="cpu", weights_only=True)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{file} is not a zero_ext optimizer checkpoint")
+    if meta.get("version", 0) > VERSION:
+        raise ValueError(f"{path}: checkpoint format version {meta.get('version')} is newer "
+                         f"than this zero_ext understands ({VERSION})")
+    return meta
+
+
+# ------------------------------------------------------------------------------ save
+
+
+def _save_items(opt, local) -> tuple[dict, dict]:
+    """The DCP state dict of this rank (views, no copies) and its description for rank 0."""
+    items: dict[str, torch.Tensor] = {}
+    chunks, wholes = [], []
+    for s in local.segments:
+        dt = _dtype_name(s.tensor.dtype)
+        if s.whole_shape is not None:
+            key = f"state/{s.pid}/{s.name}/whole"
+            items[key] = s.tensor
+            wholes.append((s.pid, s.name, key, tuple(s.whole_shape), dt))
+            continue
+        for a, b in _ranges(s.start, s.start + s.length, SAVE_CHUNK):
+            key = f"state/{s.pid}/{s.name}/{a}"
+            items[key] = s.tensor[a - s.start:b - s.start]
+            chunks.append((s.pid, s.name, a, b - a, key, dt))
+    from .state import _portable
+
+    desc = {"chunks": chunks, "wholes": wholes, "order": dict(local.order),
+            "scalars": {pid: {k: _portable(v) for k, v in sc.items()}
+                        for pid, sc in local.scalars.items()}}
+    return items, desc
+
+
+def _build_meta(opt, descs: list[dict]) -> dict:
+    from .state import torch_groups
+
+    st: dict[int, dict] = {}
+    for d in descs:
+        for pid, names in d["order"].items():
+            st.setdefault(pid, {"order": list(names), "scalars": {}, "elems": {},
+                                "dtypes": {}, "wholes": {}})
+        for pid, sc in d["scalars"].items():
+            for k, v in sc.items():
+                st[pid]["scalars"].setdefault(k, v)
+        for pid, name, start, length, key, dt in d["chunks"]:
+            st[pid]["elems"].setdefault(name, []).append((start, length, key))
+            st[pid]["dtypes"][name] = dt
+        for pid, name, key, shape, dt in d["wholes"]:
+            st[pid]["wholes"][name] = (key, shape)
+            st[pid]["dtypes"][name] = dt
+    for s in st.values():
+        for spans in s["elems"].values():
+            spans.sort()
+    cls = opt._optimizer_class
+    return {
+        "format": FORMAT, "version": VERSION,
+        "world_size": opt.world_size, "sharding": opt.sharding,
+        "optimizer_class": f"{cls.__module__}.{cls.__qualname__}",
+        "params": [(tuple(p.shape), _dtype_name(p.dtype), g)
+                   for p, g in zip(opt._all_params, opt._group_of)],
+        "param_groups": torch_groups(opt),
+        "state": dict(sorted(st.items())),
+        "save_chunk": SAVE_CHUNK,
+    }
+
+
+def _prepare(path: str, tmp: str, old: str) -> None:
+    """Rank 0, before a save: recover an interrupted swap, clear leftovers, make tmp."""
+    if not os.path.lexists(path) and is_checkpoint(old):
+        os.rename(old, path)  # a previous save died between its two renames
+    if os.path.lexists(path) and not is_checkpoint(path) and not (
+            os.path.isdir(path) and not os.listdir(path)):
+        raise ValueError(f"zero_ext.checkpoint.save: {path} exists and is not a zero_ext "
+                         "optimizer checkpoint; refusing to replace it")
+    for leftover in (tmp, old):
+        if os.path.lexists(leftover):
+            shutil.rmtree(leftover) if os.path.isdir(leftover) else os.remove(leftover)
+    os.makedirs(tmp)
+
+
+def _swap(path: str, tmp: str, old: str) -> None:
+    """Rank 0: the complete checkpoint in `tmp` replaces `path`."""
+    if os.path.lexists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+    if os.path.lexists(old):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
+         sync_files: bool = True) -> None:
+    """Write the optimizer's state to the directory `path`, every rank its own share.
+
+    Collective: call on every rank of the optimizer's process group, with the same path on a
+    filesystem they share. No rank gathers the state. Atomic: if this raises or the job dies,
+    the previous checkpoint at `path` is still there, complete. `sync_files` fsyncs the files.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from . import state
+
+    opt = optimizer
+    path = os.path.abspath(os.fspath(path))
+    tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
+    error, items, desc = None, {}, {}
+    try:
+        if opt.rank == 0:
+            _prepare(path, tmp, old)
+        items, desc = _save_items(opt, state.local_state(opt))
+    except Exception as exc:  # noqa: BLE001 - shared with every rank below
+        error = exc
+    _agree(opt, error, "zero_ext.checkpoint.save")
+
+    with _quiet_single_process():
+        dcp.save(items, storage_writer=dcp.FileSystemWriter(tmp, sync_files=sync_files),
+                 process_group=opt.process_group, no_dist=opt.process_group is None)
+    descs = [desc]
+    if opt.world_size > 1:
+        descs = [None] * opt.world_size if opt.rank == 0 else None
+        dist.gather_object(desc, descs, dst=dist.get_global_rank(opt.process_group, 0),
+                           group=opt.process_group)
+    error = None
+    if opt.rank == 0:
+        try:
+            meta_file = os.path.join(tmp, META_NAME)
+            with open(meta_file, "wb") as f:
+                torch.save(_build_meta(opt, descs), f)
+                if sync_files:
+                    f.flush()
+                    os.fsync(f.fileno())
+            if _before_swap is not None:
+                _before_swap(path)
+            _swap(path, tmp, old)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    _agree(opt, error, "zero_ext.checkpoint.save")
+
+
+# ------------------------------------------------------------------------------ load
+
+
+def _mismatches(opt, meta: dict) -> list[str]:
+    out = []
+    saved_groups, groups = meta["param_groups"], opt.param_groups
+    n_saved, n_have = len(meta["params"]), len(opt._all_params)
+    if n_saved != n_have:
+        out.append(f"param count: {n_saved} in the checkpoint, {n_have} in the optimizer")
+    if len(saved_groups) != len(groups):
+        out.append(f"param group count: {len(saved_groups)} in the checkpoint, "
+                   f"{len(groups)} in the optimizer")
+    for gi, (sg, g) in enumerate(zip(saved_groups, groups)):
+        if len(sg["params"]) != len(g["params"]):
+            out.append(f"param group {gi}: {len(sg['params'])} params in the checkpoint, "
+                       f"{len(g['params'])} in the optimizer")
+    if out:
+        return out
+    for pid, ((shape, dt, _), p) in enumerate(zip(meta["params"], opt._all_params)):
+        gi = opt._group_of[pid]
+        where = f"param {pid} (group {gi}, index {pid - sum(len(g['params']) for g in groups[:gi])})"
+        if tuple(shape) != tuple(p.shape):
+            out.append(f"{where}: shape {tuple(shape)} in the checkpoint, {tuple(p.shape)} "
+                       "in the optimizer")
+        if _dtype(dt) != p.dtype:
+            out.append(f"{where}: dtype {_dtype(dt)} in the checkpoint, {p.dtype} in the "
+                       "optimizer")
+    if opt.sharding == "flat":
+        for pid, s in meta["state"].items():
+            if s["wholes"]:
+                out.append(f"param {pid}: state {sorted(s['wholes'])} is not per-element "
+                           "(saved with sharding='param'); it cannot be split for "
+                           "sharding='flat'")
+    return out
+
+
+@dataclass
+class _Reads:
+    """Element ranges to read from stored items into destination views."""
+
+    items: list[tuple[str, int, int, torch.Tensor]] = field(default_factory=list)
+    #        (stored key, offset in it, length, destination 1-D view of that length)
+
+    def elems(self, spans: list[tuple], starts: list[int], lo: int, hi: int,
+              dest: torch.Tensor, covered: list) -> None:
+        """Read param elements [lo, hi) of one state name into dest[0:hi-lo] from the
+        stored chunks `spans` (sorted (start, length, key)); `starts` = their starts."""
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        while i < len(spans) and spans[i][0] < hi:
+            start, length, key = spans[i]
+            a, b = max(lo, start), min(hi, start + length)
+            if b > a:
+                self.items.append((key, a - start, b - a, dest[a - lo:b - lo]))
+                covered.append((a - lo, b - lo))
+            i += 1
+
+
+def _zero_gaps(dest: torch.Tensor, covered: list) -> None:
+    pos = 0
+    for a, b in sorted(covered):
+        if a > pos:
+            dest[pos:a].zero_()
+        pos = max(pos, b)
+    if pos < dest.numel():
+        dest[pos:].zero_()
+
+
+def _scalar_copy(v):
+    from .state import _clone
+
+    return _clone(v)
+
+
+def _plan_load(opt, meta: dict) -> tuple[_Reads, dict[int, dict]]:
+    """What this rank reads, and the local optimizer state it will become (allocated here,
+    filled by the reads): only the elements this rank owns now, at their final size."""
+    from .state import local_keys
+
+    reads = _Reads()
+    saved = meta["state"]
+    starts = {pid: {n: [sp[0] for sp in spans] for n, spans in s["elems"].items()}
+              for pid, s in saved.items()}
+    local: dict[int, dict] = {}
+    idx = 0
+    for keys in local_keys(opt):
+        for key in keys:
+            st: dict[str, Any] = {}
+            if key[0] == "param":
+                pid = key[1]
+                s = saved.get(pid)
+                if s:
+                    p = opt._all_params[pid]
+                    for name in s["order"]:
+                        if name in s["elems"]:
+                            dest = torch.empty(p.shape, dtype=_dtype(s["dtypes"][name]),
+                                               device=p.device)
+                            covered: list = []
+                            reads.elems(s["elems"][name], starts[pid][name], 0, p.numel(),
+                                        dest.view(-1), covered)
+                            _zero_gaps(dest.view(-1), covered)
+                            st[name] = dest
+                        elif name in s["wholes"]:
+                            k, shape = s["wholes"][name]
+                            dest = torch.empty(shape, dtype=_dtype(s["dtypes"][name]),
+                                               device=p.device)
+                            n = dest.numel()
+                            reads.items.append((k, 0, n, dest.view(-1)))
+                            st[name] = dest
+                        elif name in s["scalars"]:
+                            st[name] = _scalar_copy(s["scalars"][name])
+            else:
+                sh, run = key[1], key[2]
+                n = run["end"] - run["start"]
+                device = run["param"].device
+                covered_by: dict[str, list] = {}
+                for pc in run["pieces"]:
+                    s = saved.get(pc.param_id)
+                    if not s:
+                        continue
+                    rel = pc.bucket_start - sh["lo"] - run["start"]
+                    for name in s["order"]:
+                        if name in s["elems"]:
+                            if name not in st:
+                                st[name] = torch.empty(n, dtype=_dtype(s["dtypes"][name]),
+                                                       device=device)
+                                covered_by[name] = []
+                            cov: list = []
+                            reads.elems(s["elems"][name], starts[pc.param_id][name], pc.start,
+                                        pc.start + pc.length,
+                                        st[name][rel:rel + pc.length], cov)
+                            covered_by[name] += [(a + rel, b + rel) for a, b in cov]
+                        elif name in s["scalars"] and name not in st:
+                            st[name] = _scalar_copy(s["scalars"][name])
+                for name, cov in covered_by.items():
+                    _zero_gaps(st[name], cov)
+            if st:
+                local[idx] = st
+            idx += 1
+    return reads, local
+
+
+def _make_planner(reads: _Reads):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner,
+                                                      ReadItem)
+
+    class RangeReadPlanner(LoadPlanner):
+        """Reads element ranges of stored 1-D items straight into destination views."""
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            self.metadata = metadata
+
+        def create_local_plan(self):
+            md = self.metadata.state_dict_metadata if self.metadata is not None else {}
+            items = []
+            for i, (key, off, n, _) in enumerate(reads.items):
+                if key not in md:
+                    raise ValueError(f"the checkpoint's data has no item {key!r} (its "
+                                     f"{META_NAME} and DCP metadata disagree)")
+                items.append(ReadItem(
+                    type=LoadItemType.TENSOR, dest_index=MetadataIndex(str(i), [0]),
+                    dest_offsets=torch.Size([0]), storage_index=MetadataIndex(key, [0]),
+                    storage_offsets=torch.Size([off]), lengths=torch.Size([n])))
+            return LoadPlan(items)
+
+        def create_global_plan(self, global_plan):
+            return global_plan
+
+        def finish_plan(self, central_plan):
+            return central_plan
+
+        def load_bytes(self, read_item, value):
+            raise RuntimeError(f"unexpected non-tensor item {read_item.storage_index.fqn!r}")
+
+        def resolve_tensor(self, read_item):
+            return reads.items[int(read_item.dest_index.fqn)][3]
+
+        def commit_tensor(self, read_item, tensor):
+            pass  # the read went straight into the destination view
+
+    return RangeReadPlanner()
+
+
+def _read(path: str, reads: _Reads, process_group, no_dist: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_single_process():
+        dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_make_planner(reads),
+                 process_group=process_group, no_dist=no_dist)
+
+
+def load(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike) -> None:
+    """Load a checkpoint written by `save`, at any world size and in either sharding mode.
+
+    Collective: call on every rank. Each rank reads only the elements it owns now. If the
+    checkpoint does not fit the optimizer (param count, group count, shapes, dtypes), every
+    rank raises the same ValueError naming the mismatch and the optimizer is unchanged.
+    """
+    from . import state
+
+    opt = optimizer
+    error, reads, local, meta, where = None, None, None, None, None
+    try:
+        where = _existing(os.path.abspath(os.fspath(path)))
+        meta = read_meta(where)
+        problems = _mismatches(opt, meta)
+        if problems:
+            raise ValueError(f"zero_ext.checkpoint.load: the checkpoint at {where} does not "
+                             "fit the optimizer: " + "; ".join(problems[:8])
+                             + (f"; and {len(problems) - 8} more" if len(problems) > 8 else ""))
+        reads, local = _plan_load(opt, meta)
+    except Exception as exc:  # noqa: BLE001 - shared with every rank below
+        error = exc
+    _agree(opt, error, "zero_ext.checkpoint.load")
+    _read(where, reads, opt.process_group, opt.process_group is None)
+    state.install(opt, meta["param_groups"], local)
+
+
+# ------------------------------------------------------------------------------ convert
+
+
+def load_full(path: str | os.PathLike) -> dict:
+    """The whole checkpoint as a plain torch optimizer state dict (one process, no
+    torch.distributed needed): what torch.optim.AdamW.load_state_dict accepts."""
+    path = _existing(os.path.abspath(os.fspath(path)))
+    meta = read_meta(path)
+    reads = _Reads()
+    state: dict[int, dict] = {}
+    for pid, s in meta["state"].items():
+        shape = tuple(meta["params"][pid][0])
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        st: dict[str, Any] = {}
+        for name in s["order"]:
+            if name in s["elems"]:
+                dest = torch.empty(shape, dtype=_dtype(s["dtypes"][name]))
+                covered: list = []
+                spans = s["elems"][name]
+                reads.elems(spans, [sp[0] for sp in spans], 0, numel, dest.view(-1), covered)
+                _zero_gaps(dest.view(-1), covered)
+                st[name] = dest
+            elif name in s["wholes"]:
+                key, wshape = s["wholes"][name]
+                dest = torch.empty(wshape, dtype=_dtype(s["dtypes"][name]))
+                reads.items.append((key, 0, dest.numel(), dest.view(-1)))
+                st[name] = dest
+            elif name in s["scalars"]:
+                st[name] = s["scalars"][name]
+        state[pid] = st
+    if reads.items:
+        _read(path, reads, None, True)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def convert(path: str | os.PathLike, out: str | os.PathLike) -> dict:
+    """Write the checkpoint at `path` as one torch.save file of the plain torch format."""
+    sd = load_full(path)
+    torch.save(sd, os.fspath(out))
+    return sd
+
+
+def _info(path: str) -> str:
+    meta = read_meta(path)
+    n = sum(1 for _ in meta["params"])
+    numel = 0
+    for shape, _, _ in meta["params"]:
+        k = 1
+        for d in shape:
+            k *= int(d)
+        numel += k
+    lines = [f"zero_ext optimizer checkpoint {os.path.abspath(path)}",
+             f"  saved by {meta['optimizer_class']} at world size {meta['world_size']}, "
+             f"sharding={meta['sharding']!r}",
+             f"  {n} params ({numel:,} elements) in {len(meta['param_groups'])} groups, "
+             f"state for {len(meta['state'])} params"]
+    for gi, g in enumerate(meta["param_groups"]):
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        lines.append(f"  group {gi}: {len(g['params'])} params, {hyper}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m zero_ext.checkpoint",
+        description="Tools for zero_ext sharded optimizer checkpoints.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("convert", help="sharded checkpoint -> plain torch optimizer state "
+                                       "dict (torch.save file)")
+    c.add_argument("path", help="checkpoint directory written by zero_ext.checkpoint.save")
+    c.add_argument("out", help="output file, e.g. optim.pt")
+    i = sub.add_parser("info", help="describe a checkpoint")
+    i.add_argument("path")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "convert":
+            sd = convert(args.path, args.out)
+            print(f"wrote {args.out}: state for {len(sd['state'])} params, "
+                  f"{len(sd['param_groups'])} param groups")
+        else:
+            print(_info(args.path))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

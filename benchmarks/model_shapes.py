@@ -5,6 +5,8 @@
 - ``decay_groups(shapes)``: numels and group ids in the order an optimizer sees them with the
   usual two groups (matrices with weight decay first, then biases / norms without).
 - ``random_numels(n, seed)``: n log-uniform sizes (1 .. 2**16) for scale tests (1M params).
+- ``uneven_model(n, seed)``: n log-uniform sizes (2**10 .. 2**22) in two interleaved groups,
+  a model without one dominant tensor, where the whole-param plan has room to improve.
 """
 from __future__ import annotations
 
@@ -56,7 +58,16 @@ def decay_groups(shapes: Sequence[Tuple[str, Shape]]) -> Tuple[List[int], List[i
     return decay + rest, [0] * len(decay) + [1] * len(rest)
 
 
-def random_numels(n: int, seed: int = 0, max_log2: float = 16.0) -> List[int]:
-    """n log-uniform sizes in [1, 2**max_log2]: a stand-in for a huge many-tensor model."""
+def random_numels(n: int, seed: int = 0, max_log2: float = 16.0,
+                  min_log2: float = 0.0) -> List[int]:
+    """n log-uniform sizes in [2**min_log2, 2**max_log2]: a stand-in for many-tensor models."""
     rng = random.Random(seed)
-    return [int(2 ** rng.uniform(0.0, max_log2)) for _ in range(n)]
+    return [int(2 ** rng.uniform(min_log2, max_log2)) for _ in range(n)]
+
+
+def uneven_model(n: int = 100, seed: int = 1) -> Tuple[List[int], List[int]]:
+    """(numels, group ids): n sizes in [2**10, 2**22], about 70% in group 0, interleaved."""
+    rng = random.Random(seed)
+    numels = [int(2 ** rng.uniform(10, 22)) for _ in range(n)]
+    groups = [0 if rng.random() < 0.7 else 1 for _ in range(n)]
+    return numels, groups

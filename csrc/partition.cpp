@@ -64,18 +64,24 @@ void sort_by_numel_desc(const Codec& c, std::vector<typename Codec::Rec>& recs,
                         std::vector<typename Codec::Rec>& tmp, int64_t max_numel) {
   constexpr int kBits = 11;
   constexpr int64_t kBuckets = int64_t{1} << kBits;
-  std::vector<int64_t> count(kBuckets);
-  for (int shift = 0; shift < 63 && (max_numel >> shift) != 0; shift += kBits) {
-    std::fill(count.begin(), count.end(), 0);
-    for (const auto& r : recs) ++count[(c.numel(r) >> shift) & (kBuckets - 1)];
+  const int passes = (bit_width(static_cast<uint64_t>(max_numel)) + kBits - 1) / kBits;
+  // Histograms of every digit in one read of the records.
+  std::vector<int64_t> count(static_cast<size_t>(passes) * kBuckets, 0);
+  for (const auto& r : recs) {
+    const uint64_t v = static_cast<uint64_t>(c.numel(r));
+    for (int p = 0; p < passes; ++p) ++count[p * kBuckets + ((v >> (p * kBits)) & (kBuckets - 1))];
+  }
+  for (int p = 0; p < passes; ++p) {
+    int64_t* cnt = count.data() + p * kBuckets;
     // Descending digits: bucket kBuckets-1 first. Stable, so earlier passes' order holds.
     int64_t pos = 0;
     for (int64_t d = kBuckets - 1; d >= 0; --d) {
-      const int64_t k = count[d];
-      count[d] = pos;
+      const int64_t k = cnt[d];
+      cnt[d] = pos;
       pos += k;
     }
-    for (const auto& r : recs) tmp[count[(c.numel(r) >> shift) & (kBuckets - 1)]++] = r;
+    const int shift = p * kBits;
+    for (const auto& r : recs) tmp[cnt[(c.numel(r) >> shift) & (kBuckets - 1)]++] = r;
     recs.swap(tmp);
   }
 }
@@ -90,25 +96,25 @@ void sort_by_group(const Codec& c, const std::vector<typename Codec::Rec>& globa
     gmin = std::min(gmin, group[i]);
     gmax = std::max(gmax, group[i]);
   }
-  // Compact group ids (rank of each id among the distinct ids) as int32.
-  std::vector<int32_t> key(n);
-  int64_t num_keys;
-  if (gmax - gmin <= 4 * n + 1024) {
-    for (int64_t i = 0; i < n; ++i) key[i] = static_cast<int32_t>(group[i] - gmin);
-    num_keys = gmax - gmin + 1;
-  } else {
-    std::vector<int64_t> ids(group, group + n);
-    std::sort(ids.begin(), ids.end());
-    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
-    for (int64_t i = 0; i < n; ++i)
-      key[i] = static_cast<int32_t>(std::lower_bound(ids.begin(), ids.end(), group[i]) -
-                                    ids.begin());
-    num_keys = static_cast<int64_t>(ids.size());
+  auto counting_sort = [&](int64_t num_keys, auto key_of) {
+    std::vector<int64_t> start(num_keys + 1, 0);
+    for (int64_t i = 0; i < n; ++i) ++start[key_of(i) + 1];
+    for (int64_t k = 0; k < num_keys; ++k) start[k + 1] += start[k];
+    for (const auto& r : global) out[start[key_of(c.index(r))]++] = r;
+  };
+  if (gmax - gmin <= 4 * n + 1024) {  // compact ids (the usual 0..G-1): no extra array
+    counting_sort(gmax - gmin + 1, [&](int64_t i) { return group[i] - gmin; });
+    return;
   }
-  std::vector<int64_t> start(num_keys + 1, 0);
-  for (int64_t i = 0; i < n; ++i) ++start[key[i] + 1];
-  for (int64_t k = 0; k < num_keys; ++k) start[k + 1] += start[k];
-  for (const auto& r : global) out[start[key[c.index(r)]]++] = r;
+  // Sparse ids: rank of each id among the distinct ids.
+  std::vector<int64_t> ids(group, group + n);
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  std::vector<int32_t> key(n);
+  for (int64_t i = 0; i < n; ++i)
+    key[i] = static_cast<int32_t>(std::lower_bound(ids.begin(), ids.end(), group[i]) -
+                                  ids.begin());
+  counting_sort(static_cast<int64_t>(ids.size()), [&](int64_t i) { return int64_t{key[i]}; });
 }
 
 // Min over (load, rank) of world_size ranks with O(log W) updates: a tournament tree whose

@@ -86,7 +86,7 @@ def _check(op: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets
 def flatten_into_reference(tensors: Sequence[torch.Tensor], flat: torch.Tensor,
                            offsets: Sequence[int]) -> None:
     """Pure-PyTorch ``flatten_into`` (test oracle and fallback)."""
-    tensors, offsets = list(tensors), [int(o) for o in offsets]
+    tensors, offsets = list(tensors), list(map(int, offsets))
     _check("flatten_into", tensors, flat, offsets)
     with torch.no_grad():
         for t, off in zip(tensors, offsets):
@@ -97,7 +97,7 @@ def flatten_into_reference(tensors: Sequence[torch.Tensor], flat: torch.Tensor,
 def unflatten_from_reference(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
                              offsets: Sequence[int]) -> None:
     """Pure-PyTorch ``unflatten_from`` (test oracle and fallback)."""
-    tensors, offsets = list(tensors), [int(o) for o in offsets]
+    tensors, offsets = list(tensors), list(map(int, offsets))
     _check("unflatten_from", tensors, flat, offsets)
     with torch.no_grad():
         for t, off in zip(tensors, offsets):
@@ -127,7 +127,7 @@ _register_fakes.done = False
 
 def flatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int]) -> None:
     """Copy ``tensors[i]`` into ``flat[offsets[i] : offsets[i] + tensors[i].numel()]``."""
-    tensors, offsets = list(tensors), [int(o) for o in offsets]
+    tensors, offsets = list(tensors), list(map(int, offsets))
     if not tensors and not offsets:
         return
     if native_available("flatten_into", flat.device):
@@ -140,7 +140,7 @@ def flatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: S
 
 def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
     """Copy ``flat[offsets[i] : offsets[i] + tensors[i].numel()]`` into ``tensors[i]``."""
-    tensors, offsets = list(tensors), [int(o) for o in offsets]
+    tensors, offsets = list(tensors), list(map(int, offsets))
     if not tensors and not offsets:
         return
     if native_available("unflatten_from", flat.device):

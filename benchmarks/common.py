@@ -1,0 +1,92 @@
+"""Timing and table helpers shared by the benchmarks.
+
+- :func:`time_fn`: median (and min) of repeated calls, with CUDA synchronisation when the
+  work runs on a GPU; machines are noisy, so compare ratios measured in one run.
+- :func:`copy_bandwidth`: measured copy bandwidth (bytes read + written per second), the
+  ceiling a memory-bound kernel is compared with.
+- :func:`print_table`: a markdown table; :func:`speedup_rows` builds rows with ms, GB/s and a
+  speedup column against each baseline.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run from a source checkout
+    sys.path.insert(0, ROOT)
+
+
+def _sync(device) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], object], reps: int = 10, warmup: int = 2,
+            device=None, max_seconds: Optional[float] = None) -> Dict[str, float]:
+    """Run ``fn`` ``warmup`` times, then time ``reps`` calls one by one (synchronising the
+    CUDA device before and after each when ``device`` is a GPU). Stops early once
+    ``max_seconds`` of timed calls have passed (at least 3 calls). Returns seconds:
+    ``{"median", "min", "n"}``."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times: List[float] = []
+    spent = 0.0
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        spent += dt
+        if max_seconds is not None and spent > max_seconds and len(times) >= 3:
+            break
+    return {"median": statistics.median(times), "min": min(times), "n": len(times)}
+
+
+def copy_bandwidth(device="cpu", nbytes: int = 256 << 20, reps: int = 10) -> float:
+    """GB/s of ``dst.copy_(src)`` on ``device``, counting the bytes read and written."""
+    n = nbytes // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), reps=reps, warmup=2, device=device)
+    return 2 * n * 4 / t["median"] / 1e9
+
+
+def fmt_ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.1f}"
+
+
+def print_table(title: str, headers: Sequence[str], rows: Iterable[Sequence[object]],
+                file=None) -> str:
+    """Print (and return) a markdown table with a title line."""
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    out = [f"\n{title}", line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in rows]
+    text = "\n".join(out)
+    print(text, file=file or sys.stdout, flush=True)
+    return text
+
+
+def speedup_rows(times: Dict[str, float], ours: str, bytes_moved: Optional[float] = None
+                 ) -> List[List[str]]:
+    """Rows ``[name, ms, GB/s, speedup]`` where speedup = time(name) / time(ours): how many
+    times faster ``ours`` is than each variant (1.00x on its own row)."""
+    rows = []
+    for name, t in times.items():
+        gbs = f"{bytes_moved / t / 1e9:.1f}" if bytes_moved else "-"
+        rows.append([name, fmt_ms(t), gbs, f"{t / times[ours]:.2f}x"])
+    return rows
+
+
+SPEEDUP_HEADERS = ["variant", "ms (median)", "GB/s", "speedup of ours"]

@@ -340,8 +340,9 @@ void check_numels(const at::Tensor& numels, const char* op) {
   int64_t total = 0;
   for (int64_t i = 0; i < numels.numel(); ++i) {
     TORCH_CHECK(p[i] >= 0, op, ": numels[", i, "] = ", p[i], " is negative");
-    TORCH_CHECK(!__builtin_add_overflow(total, p[i], &total), op,
+    TORCH_CHECK(p[i] <= std::numeric_limits<int64_t>::max() - total, op,
                 ": the sum of numels overflows int64");
+    total += p[i];
   }
 }
 

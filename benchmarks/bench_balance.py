@@ -83,6 +83,7 @@ def main(argv=None) -> int:
 
     import model_shapes
     import torch
+    from common import print_table
     from zero_ext.kernels import partition
     from zero_ext.kernels._loader import ensure_loaded
 
@@ -103,11 +104,9 @@ def main(argv=None) -> int:
     print(f"# Optimizer-state balance from the plan alone; partition ops: "
           f"{'native (C++)' if native else 'pure-Python reference'}; flat alignment "
           f"{alignment} elements")
-    print()
     header = ["model", "params", "world", "torch rule", "assign_params", "whole-param bound",
               "flat", "flat padding elems", "max state MB torch", "max state MB flat", "plan ms"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("---" for _ in header) + "|")
+    rows = []
     failures, results = [], {}
     for model in models:
         numels, groups = model_shapes.decay_groups(model_shapes.gpt2_shapes(model))
@@ -123,9 +122,10 @@ def main(argv=None) -> int:
             bound = max(max(numels), -(-total // world)) * world / total
             f_ratio = max(f_loads) * world / total
             results[(model, world)] = (t_ratio, a_ratio, f_ratio)
-            print(f"| GPT-2 {model} | {total:,} | {world} | {t_ratio:.4f} | {a_ratio:.4f} | "
-                  f"{bound:.4f} | {f_ratio:.4f} | {padded - total:,} | "
-                  f"{8 * t_max / 2**20:.1f} | {8 * max(f_loads) / 2**20:.1f} | {ms:.1f} |")
+            rows.append([f"GPT-2 {model}", f"{total:,}", world, f"{t_ratio:.4f}",
+                         f"{a_ratio:.4f}", f"{bound:.4f}", f"{f_ratio:.4f}", f"{padded - total:,}",
+                         f"{8 * t_max / 2**20:.1f}", f"{8 * max(f_loads) / 2**20:.1f}",
+                         f"{ms:.1f}"])
             if a_ratio > t_ratio + 1e-12:
                 failures.append(f"assign_params worse than torch's rule: {model} world {world}")
             if a_ratio + 1e-12 < bound:
@@ -136,6 +136,7 @@ def main(argv=None) -> int:
                     0.5 * 10.0 ** -len(ref.split(".")[1]) + 1e-9:
                 failures.append(f"torch rule {model} world {world}: {t_ratio:.4f}, "
                                 f"DESIGN.md says {ref}")
+    print_table("max rank load / mean rank load (1.0000 is perfect):", header, rows)
     print()
     target = results.get(("small", 8))
     if target is not None:

@@ -29,8 +29,9 @@ balanced shard of total/world elements: torch's fused AdamW over ONE flat tensor
 local step), a copy of the shard (memory bandwidth; 28 bytes per element is the AdamW traffic),
 one async broadcast per rank of its shard (torch's bucket-view sync) and one
 all_gather_into_tensor of the same bytes. A step that does not overlap its communication
-costs at least AdamW + bcast; a perfectly overlapped one at least max(AdamW, bcast). If zero_ext's optimizer exposes a timing breakdown
-(a dict attribute named last_step_timings / step_timings / timings), its medians are printed.
+costs at least AdamW + bcast; a perfectly overlapped one at least max(AdamW, bcast).
+If zero_ext's optimizer exposes a timing breakdown (a dict attribute named
+last_step_timings / step_timings / timings), its medians are printed.
 
 Threads: the machine this was written on has 2 cores; every rank calls
 torch.set_num_threads(max(1, cores // world)) (override with --threads). At world 3 and 4 the
@@ -71,6 +72,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import _zero_worker  # noqa: E402
+from common import print_table  # noqa: E402
 import model_shapes  # noqa: E402
 
 CONFIGS = ("torch", "param", "flat")
@@ -80,12 +82,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _table(headers, rows) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def _ours_importable() -> str | None:
@@ -262,25 +258,21 @@ def main(argv=None) -> int:
         print(f"# world {world}: {threads} thread(s) per rank, zero_ext native ops: "
               f"{data['native']}, {time.perf_counter() - t0:.0f} s", flush=True)
 
-    print()
-    print(_table(["world", "config", "sharding", "step ms", "speedup vs torch",
-                  f"ctor ms (best of {args.ctor_reps})", "ctor vs torch", "state MB/rank max",
-                  "state MB/rank mean", "max/mean", "plan max/mean", "max abs diff vs torch",
-                  f"match (<= {args.tol:g})"], all_steps))
+    print_table("Step (median over timed steps of the slowest rank):",
+                ["world", "config", "sharding", "step ms", "speedup vs torch",
+                 f"ctor ms (best of {args.ctor_reps})", "ctor vs torch", "state MB/rank max",
+                 "state MB/rank mean", "max/mean", "plan max/mean", "max abs diff vs torch",
+                 f"match (<= {args.tol:g})"], all_steps)
     if all_limits:
-        print()
-        print("Limits (all ranks at once, balanced shard of total/world elements):")
-        print()
-        print(_table(["world", "threads/rank", "shard elems", "fused AdamW 1 tensor ms",
-                      "copy GB/s", "28 B/elem at copy BW ms", "per-rank bcast ms",
-                      "all_gather_into_tensor ms", "AdamW + bcast (serial) ms",
-                      "max(AdamW, bcast) (overlapped) ms"], all_limits))
+        print_table("Limits (all ranks at once, balanced shard of total/world elements):",
+                    ["world", "threads/rank", "shard elems", "fused AdamW 1 tensor ms",
+                     "copy GB/s", "28 B/elem at copy BW ms", "per-rank bcast ms",
+                     "all_gather_into_tensor ms", "AdamW + bcast (serial) ms",
+                     "max(AdamW, bcast) (overlapped) ms"], all_limits)
     if all_parts:
-        print()
-        print("zero_ext timing breakdown (median per step, slowest rank, ms):")
-        print()
-        print(_table(["world", "config", "parts"], [[r[0], r[1], ", ".join(r[2:])]
-                                                     for r in all_parts]))
+        print_table("zero_ext timing breakdown (median per step, slowest rank, ms):",
+                    ["world", "config", "parts"],
+                    [[r[0], r[1], ", ".join(r[2:])] for r in all_parts])
     targets = [r for r in all_steps if r[0] == 2 and r[1] != "torch" and r[4] != "-"
                and not args.small]  # the target is for the full-size model
     if targets:

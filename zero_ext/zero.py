@@ -241,25 +241,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return buf[lo:hi] if self.parameters_as_bucket_view else buf
 
     def _make_shard(self, bi: int) -> dict:
-        """Flat mode: this rank's range of bucket `bi` cut into one run per param group,
-        each run a 1-D tensor the local optimizer steps, with a grad buffer beside it."""
+        """Flat mode: this rank's range of bucket `bi` as one "run" per param piece, each a
+        1-D view the local optimizer steps. One run per piece (not per group) keeps torch's
+        per-param semantics: a param without a grad is skipped, its step not advanced, and
+        it gets no state."""
         b = self._buckets[bi]
         lo, _ = b.rank_ranges[self.rank]
         storage = self._my_range_storage(bi)
-        grad = torch.zeros_like(storage)
         runs: list[dict] = []
         for pc in b.pieces(self.rank):
-            g = self._group_of[pc.param_id]
-            start, end = pc.bucket_start - lo, pc.bucket_start - lo + pc.length
-            if runs and runs[-1]["group"] == g:
-                runs[-1]["end"] = end
-                runs[-1]["pieces"].append(pc)
-            else:
-                runs.append({"group": g, "start": start, "end": end, "pieces": [pc]})
-        for run in runs:
-            run["param"] = storage[run["start"]:run["end"]]
-            run["grad"] = grad[run["start"]:run["end"]]
-        return {"bucket": bi, "lo": lo, "storage": storage, "grad": grad, "runs": runs}
+            start = pc.bucket_start - lo
+            runs.append({"group": self._group_of[pc.param_id], "start": start,
+                         "end": start + pc.length, "pieces": [pc],
+                         "param": storage[start:start + pc.length]})
+        return {"bucket": bi, "lo": lo, "storage": storage, "runs": runs}
 
     def _piece_view(self, pc: layout.Piece) -> torch.Tensor:
         p = self._all_params[pc.param_id].detach()
@@ -403,27 +398,28 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._gather_shard_grads()
-        self.optim.step(**kwargs)
+        self._attach_shard_grads()
+        try:
+            self.optim.step(**kwargs)
+        finally:
+            self._detach_shard_grads()
         return loss
 
-    def _gather_shard_grads(self) -> None:
-        """Flat mode: copy the grads of this rank's pieces into the runs' grad buffers."""
+    def _attach_shard_grads(self) -> None:
+        """Flat mode, generic path: each run's grad is a view of its piece of p.grad
+        (no copy); None when the param has no grad, so the optimizer skips it."""
         for sh in self._shards:
             for run in sh["runs"]:
-                tensors, offsets, any_grad = [], [], False
-                for pc in run["pieces"]:
-                    g = self._all_params[pc.param_id].grad
-                    rel = pc.bucket_start - sh["lo"] - run["start"]
-                    if g is None:
-                        run["grad"][rel:rel + pc.length].zero_()
-                        continue
-                    any_grad = True
-                    tensors.append(g.reshape(-1)[pc.start:pc.start + pc.length])
-                    offsets.append(rel)
-                if any_grad:
-                    kernels.flatten_into(tensors, run["grad"], offsets)
-                run["param"].grad = run["grad"] if any_grad else None
+                pc = run["pieces"][0]
+                g = self._all_params[pc.param_id].grad
+                run["param"].grad = (None if g is None else
+                                     g.detach().reshape(-1)[pc.start:pc.start + pc.length])
+
+    def _detach_shard_grads(self) -> None:
+        """Drop the views again so the user's zero_grad(set_to_none) frees the grads."""
+        for sh in self._shards:
+            for run in sh["runs"]:
+                run["param"].grad = None
 
     @staticmethod
     def _copy_hyperparameters(src: list[dict], dst: list[dict]) -> None:

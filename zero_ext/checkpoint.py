@@ -144,6 +144,17 @@ def read_meta(path: str | os.PathLike) -> dict:
 # ------------------------------------------------------------------------------ save
 
 
+def _exact(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as a tensor whose storage holds exactly its elements. DCP's writer
+    clones any tensor that is a view into a bigger storage and keeps every clone alive
+    until the rank's file is closed (torch/distributed/checkpoint/filesystem.py): with
+    views of the state that would be a full copy of this rank's share. (CPU only; DCP
+    copies device tensors to the host anyway.)"""
+    if t.device.type != "cpu" or t.untyped_storage().nbytes() == t.nbytes or t.numel() == 0:
+        return t
+    return torch.from_numpy(t.view(torch.uint8).numpy()).view(t.dtype)
+
+
 def _save_items(opt, local) -> tuple[dict, dict]:
     """The DCP state dict of this rank (views, no copies) and its description for rank 0."""
     items: dict[str, torch.Tensor] = {}
@@ -152,12 +163,12 @@ def _save_items(opt, local) -> tuple[dict, dict]:
         dt = _dtype_name(s.tensor.dtype)
         if s.whole_shape is not None:
             key = f"state/{s.pid}/{s.name}/whole"
-            items[key] = s.tensor
+            items[key] = _exact(s.tensor)
             wholes.append((s.pid, s.name, key, tuple(s.whole_shape), dt))
             continue
         for a, b in _ranges(s.start, s.start + s.length, SAVE_CHUNK):
             key = f"state/{s.pid}/{s.name}/{a}"
-            items[key] = s.tensor[a - s.start:b - s.start]
+            items[key] = _exact(s.tensor[a - s.start:b - s.start])
             chunks.append((s.pid, s.name, a, b - a, key, dt))
     from .state import _portable
 

@@ -58,6 +58,10 @@ def _dup_top_level():
     return [a, _p(2), a]
 
 
+class WholeTensorOpt(torch.optim.SGD):
+    """A user-defined optimizer: not known to be elementwise, so it cannot be split."""
+
+
 # name -> (params factory, optimizer_class, kwargs, exception type, word in the message)
 BAD_INPUTS = {
     "empty_list": (lambda: [], AdamW, {}, ValueError, "empty"),
@@ -98,6 +102,8 @@ BAD_INPUTS = {
     "sgd_neg_weight_decay_default": (lambda: [_p(3)], SGD, {"lr": 0.1, "weight_decay": -1.0},
                                      ValueError, "weight_decay"),
     "unknown_sharding": (lambda: [_p(3)], AdamW, {"sharding": "bogus"}, ValueError, "sharding"),
+    "flat_with_unknown_optimizer": (lambda: [_p(3)], WholeTensorOpt, {"lr": 0.1, "sharding": "flat"},
+                                    ValueError, "flat"),
     "overlap_with_ddp": (lambda: [_p(3)], AdamW, {"overlap_with_ddp": True},
                          NotImplementedError, None),
 }
@@ -421,7 +427,7 @@ def test_zero_grad(world):
 @SC.scenario()
 def sharding_modes(ctx):
     out = {}
-    for mode in ("param", "auto"):
+    for mode in ("param", "auto", "flat"):
         def run():
             ps = make_params([(6, 4), (4,), (9,)], seed=4)
             opt = make_zero(ps, AdamW, ctx.pg, sharding=mode, lr=1e-3)
@@ -430,7 +436,7 @@ def sharding_modes(ctx):
     return out
 
 
-@pytest.mark.parametrize("mode", ["param", "auto"])
+@pytest.mark.parametrize("mode", ["param", "auto", "flat"])
 def test_sharding_modes_accepted(world, mode):
     if AGAINST_TORCH:
         pytest.skip("torch has no sharding argument")

@@ -102,8 +102,16 @@ def join_uneven_inputs_bucket_view(ctx):
     return _join_run(ctx, {"parameters_as_bucket_view": True})
 
 
-@pytest.mark.parametrize("name", ["join_uneven_inputs", "join_uneven_inputs_bucket_view"])
+@SC.scenario()
+def join_uneven_inputs_sharding_flat(ctx):
+    return _join_run(ctx, {"sharding": "flat", "parameters_as_bucket_view": True})
+
+
+@pytest.mark.parametrize("name", ["join_uneven_inputs", "join_uneven_inputs_bucket_view",
+                                  "join_uneven_inputs_sharding_flat"])
 def test_join_uneven_inputs(world, name):
+    if AGAINST_TORCH and "sharding" in name:
+        pytest.skip("torch has no sharding argument")
     vals = world.values(name)
     for r, v in enumerate(vals):
         assert_params_close(v["zero"], v["ref"], JOIN_ATOL, JOIN_RTOL, what=f"rank {r} param")

@@ -116,6 +116,22 @@ def adamw_bucket_view_sharding_param(ctx):
 
 
 @SC.scenario()
+def adamw_dict_groups_sharding_flat(ctx):
+    return _parity(ctx, AdamW, ADAMW_DEFAULTS, zero_kwargs={"sharding": "flat"})
+
+
+@SC.scenario()
+def adamw_bucket_view_sharding_flat(ctx):
+    return _parity(ctx, AdamW, ADAMW_DEFAULTS,
+                   zero_kwargs={"parameters_as_bucket_view": True, "sharding": "flat"})
+
+
+@SC.scenario()
+def adamw_grads_none_sharding_flat(ctx):
+    return _parity(ctx, AdamW, ADAMW_DEFAULTS, skip=_sparse, zero_kwargs={"sharding": "flat"})
+
+
+@SC.scenario()
 def adamw_generators_in_groups(ctx):
     return _parity(ctx, AdamW, ADAMW_DEFAULTS, gen=True)
 
@@ -170,7 +186,9 @@ def adamw_frozen_param(ctx):
 
 @pytest.mark.parametrize("name", [
     "adamw_dict_groups", "adamw_dict_groups_sharding_param", "adamw_bucket_view",
-    "adamw_bucket_view_sharding_param", "adamw_generators_in_groups", "adamw_plain_tensor_list",
+    "adamw_bucket_view_sharding_param", "adamw_dict_groups_sharding_flat",
+    "adamw_bucket_view_sharding_flat", "adamw_grads_none_sharding_flat",
+    "adamw_generators_in_groups", "adamw_plain_tensor_list",
     "adamw_amsgrad_maximize_per_group", "adamw_fused_kwarg", "adamw_grads_none_on_some_steps",
     "adamw_grads_none_bucket_view", "adamw_frozen_param"])
 def test_adamw_parity(world, name):
@@ -301,9 +319,30 @@ def custom_optimizer_groups(ctx):
                        b_extra={"lr": 0.01, "name": "biases"}))  # extra keys are legal
 
 
+def _sgd_flat_groups(ps, gen=False):
+    return three_groups(ps, gen, w_extra={"lr": 0.05, "weight_decay": 0.01},
+                        b_extra={"lr": 0.02, "momentum": 0.5})
+
+
+@SC.scenario()
+def sgd_momentum_sharding_flat(ctx):
+    return _parity(ctx, SGD, dict(lr=0.03, momentum=0.9), groups=_sgd_flat_groups,
+                   zero_kwargs={"sharding": "flat"})
+
+
+@SC.scenario()
+def adam_sharding_flat(ctx):
+    return _parity(ctx, Adam, dict(lr=3e-3, betas=(0.8, 0.95)),
+                   groups=lambda ps, gen=False: three_groups(ps, gen, w_extra={"amsgrad": True}),
+                   zero_kwargs={"sharding": "flat", "parameters_as_bucket_view": True})
+
+
 @pytest.mark.parametrize("name", ["sgd_momentum_groups", "adam_groups",
-                                  "custom_optimizer_groups"])
+                                  "custom_optimizer_groups", "sgd_momentum_sharding_flat",
+                                  "adam_sharding_flat"])
 def test_generic_optimizer_parity(world, name):
+    if AGAINST_TORCH and "sharding" in name:
+        pytest.skip("torch has no sharding argument")
     _check(world.values(name))
 
 
@@ -458,8 +497,16 @@ def add_param_group_bucket_view(ctx):
     return _add_group_run(ctx, {"parameters_as_bucket_view": True})
 
 
-@pytest.mark.parametrize("name", ["add_param_group_mid_training", "add_param_group_bucket_view"])
+@SC.scenario()
+def add_param_group_sharding_flat(ctx):
+    return _add_group_run(ctx, {"sharding": "flat", "parameters_as_bucket_view": True})
+
+
+@pytest.mark.parametrize("name", ["add_param_group_mid_training", "add_param_group_bucket_view",
+                                  "add_param_group_sharding_flat"])
 def test_add_param_group_mid_training(world, name):
+    if AGAINST_TORCH and "sharding" in name:
+        pytest.skip("torch has no sharding argument")
     vals = world.values(name)
     _check(vals)
     total = sum(torch.Size(s).numel() for s in SHAPES)
@@ -510,8 +557,13 @@ def mixed_fp32_bf16_bucket_view(ctx):
     return _mixed(ctx, _mixed_separate, {"parameters_as_bucket_view": True})
 
 
+@SC.scenario()
+def mixed_fp32_bf16_sharding_flat(ctx):
+    return _mixed(ctx, _mixed_one_group, {"sharding": "flat"})
+
+
 @pytest.mark.parametrize("name", ["mixed_fp32_bf16_separate_groups", "mixed_fp32_bf16_one_group",
-                                  "mixed_fp32_bf16_bucket_view"])
+                                  "mixed_fp32_bf16_bucket_view", "mixed_fp32_bf16_sharding_flat"])
 def test_mixed_fp32_bf16(world, name):
     vals = world.values(name)
     f32 = [i for i, d in enumerate(MIXED_DTYPES) if d == torch.float32]

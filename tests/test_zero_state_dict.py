@@ -105,10 +105,20 @@ def format_to_last_rank(ctx):
     return _format_scenario(ctx, ctx.world_size - 1)
 
 
-@pytest.mark.parametrize("name", ["format_to_rank0", "format_to_last_rank"])
+@SC.scenario()
+def format_sharding_flat(ctx):
+    pz, opt, pr, ref = _zero_and_ref(ctx, sharding="flat", parameters_as_bucket_view=True)
+    opt.consolidate_state_dict(to=0)
+    return {"sd": opt.state_dict(), "ref_sd": ref.state_dict()} if ctx.rank == 0 else None
+
+
+@pytest.mark.parametrize("name", ["format_to_rank0", "format_to_last_rank",
+                                  "format_sharding_flat"])
 def test_state_dict_is_plain_torch_format(world, name):
+    if AGAINST_TORCH and "sharding" in name:
+        pytest.skip("torch has no sharding argument")
     vals = world.values(name)
-    to = 0 if name == "format_to_rank0" else world.world_size - 1
+    to = world.world_size - 1 if name == "format_to_last_rank" else 0
     v = vals[to]
     assert v is not None
     sd, ref_sd = v["sd"], v["ref_sd"]
@@ -181,16 +191,39 @@ def _check(vals):
     assert_same_on_every_rank([v["zero"] for v in vals])
 
 
+@SC.scenario()
+def plain_adamw_to_ours_sharding_flat(ctx):
+    pr = make_params(SHAPES, seed=21)
+    ref = AdamW(groups(pr), **DEFAULTS)
+    _train(ref, pr, range(K))
+    sd = copy.deepcopy(ref.state_dict())
+    pz = clones(pr)
+    opt = make_zero(groups(pz), AdamW, ctx.pg, sharding="flat", **DEFAULTS)
+    opt.load_state_dict(sd)
+    _train(opt, pz, range(K, 2 * K))
+    _train(ref, pr, range(K, 2 * K))
+    # and back out of flat shards into the torch format
+    opt.consolidate_state_dict(to=0)
+    again = opt.state_dict() if ctx.rank == 0 else None
+    return {"zero": detached(pz), "ref": detached(pr), "again": again,
+            "ref_sd": ref.state_dict() if ctx.rank == 0 else None}
+
+
 @pytest.mark.parametrize("name", ["ours_to_plain_adamw", "plain_adamw_to_ours",
-                                  "ours_to_ours_other_options"])
+                                  "ours_to_ours_other_options",
+                                  "plain_adamw_to_ours_sharding_flat"])
 def test_round_trip_then_continue(world, name):
-    if AGAINST_TORCH and name == "ours_to_ours_other_options":
+    if AGAINST_TORCH and ("ours_to_ours" in name or "sharding" in name):
         pytest.skip("torch has no sharding argument")
     vals = world.values(name)
     _check(vals)
     if name == "plain_adamw_to_ours":
         for v in vals:
             assert v["lr_after_load"] == 7e-3, "param_groups hyperparameters must be loaded"
+    if name == "plain_adamw_to_ours_sharding_flat":
+        v0 = vals[0]
+        diffs = sd_diff(v0["again"], v0["ref_sd"], atol=ATOL, rtol=RTOL)
+        assert not diffs, "flat state_dict differs from AdamW's:\n" + "\n".join(diffs[:20])
     if name == "ours_to_ours_other_options":
         v0 = vals[0]
         diffs = sd_diff(v0["again"], v0["sd"])

@@ -43,6 +43,10 @@ def _filled(shapes, seed: int, scale: float) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g).mul_(scale) for _, s in shapes]
 
 
+def _checksum(tensors) -> tuple:
+    return tuple(t.sum(dtype=torch.float64).item() for t in tensors)
+
+
 def make_params(shapes) -> list[torch.Tensor]:
     return [t.requires_grad_() for t in _filled(shapes, 1234, 0.02)]
 
@@ -309,8 +313,11 @@ def run(rank: int, world: int, opts: dict, out_path: str) -> None:
         grads = _filled(shapes, 99, 1e-3)  # identical on every rank
         errors: dict = {}
         runner = run_sequential if opts["sequential"] else run_interleaved
+        checksum = _checksum(grads)
         results = runner(opts["configs"], shapes, grads, opts["warmup"], opts["steps"], errors,
                          opts["ctor_reps"])
+        if _checksum(grads) != checksum:  # the configs share the grads: none may write them
+            errors["grads"] = "an optimizer modified the shared grads; results are invalid"
         del grads
         gc.collect()
         total = sum(int(torch.Size(s).numel()) for _, s in shapes)

@@ -30,8 +30,9 @@ local step), a copy of the shard (memory bandwidth; 28 bytes per element is the 
 one async broadcast per rank of its shard (torch's bucket-view sync) and one
 all_gather_into_tensor of the same bytes. A step that does not overlap its communication
 costs at least AdamW + bcast; a perfectly overlapped one at least max(AdamW, bcast).
-If zero_ext's optimizer exposes a timing breakdown (a dict attribute named
-last_step_timings / step_timings / timings), its medians are printed.
+If zero_ext's optimizer exposes a timing breakdown of its last step (a dict of seconds in an
+attribute named last_step_timings, step_timings or timings, e.g. {"local": .., "comm": ..}),
+its medians are printed beside these limits.
 
 Threads: the machine this was written on has 2 cores; every rank calls
 torch.set_num_threads(max(1, cores // world)) (override with --threads). At world 3 and 4 the

@@ -8,8 +8,10 @@ GPU is visible).
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
+import sys
 import threading
 import warnings
 
@@ -50,9 +52,7 @@ def _extra_cuda_includes() -> list:
 
 
 def jit_build(cuda: bool, name: str | None = None, verbose: bool = False):
-    """JIT-compile and load csrc/; returns the module path. Raises on failure."""
-    from torch.utils import cpp_extension
-
+    """JIT-compile and load csrc/; returns the library path. Raises on failure."""
     if cuda:
         _cuda_home_hint()
     os.environ.setdefault("MAX_JOBS", "2")
@@ -76,7 +76,55 @@ def jit_build(cuda: bool, name: str | None = None, verbose: bool = False):
         kwargs["extra_cuda_cflags"] = list(_build_config.NVCC_FLAGS)
         kwargs["extra_include_paths"] = _extra_cuda_includes()
         kwargs["with_cuda"] = True
-    return cpp_extension.load(**kwargs)
+    # cpp_extension.load re-hashes and re-runs ninja in every process (~5 s each on these
+    # machines, paid by every rank of every test world); a stamp of the inputs lets an
+    # unchanged build be loaded directly.
+    build_dir = os.path.join(_extensions_root(), kwargs["name"])
+    os.makedirs(build_dir, exist_ok=True)
+    kwargs["build_directory"] = build_dir
+    library = os.path.join(build_dir, kwargs["name"] + ".so")
+    stamp_file, stamp = library + ".stamp", _stamp(kwargs)
+    if os.path.exists(library) and _read(stamp_file) == stamp:
+        torch.ops.load_library(library)
+        return library
+    from torch.utils import cpp_extension  # slow import; only needed to build
+
+    cpp_extension.load(**kwargs)
+    with open(stamp_file + ".tmp", "w") as f:
+        f.write(stamp)
+    os.replace(stamp_file + ".tmp", stamp_file)
+    return library
+
+
+def _extensions_root() -> str:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        tag = f"py{sys.version_info.major}{sys.version_info.minor}_" + (
+            f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+        root = os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions", tag)
+    return root
+
+
+def _stamp(kwargs: dict) -> str:
+    """Hash of everything the build depends on: every file in csrc/, flags, torch."""
+    h = hashlib.sha256()
+    h.update(repr(sorted((k, v) for k, v in kwargs.items() if k != "verbose")).encode())
+    h.update(torch.__version__.encode())
+    for name in sorted(os.listdir(_build_config.CSRC)):
+        path = os.path.join(_build_config.CSRC, name)
+        if os.path.isfile(path):
+            h.update(name.encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def ensure_loaded() -> bool:

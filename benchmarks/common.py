@@ -1,7 +1,8 @@
 """Timing and table helpers shared by the benchmarks.
 
 - :func:`time_fn`: median (and min) of repeated calls, with CUDA synchronisation when the
-  work runs on a GPU; machines are noisy, so compare ratios measured in one run.
+  work runs on a GPU; :func:`time_interleaved`: the same for several variants timed in turns.
+  Machines are noisy, so compare ratios measured in one run.
 - :func:`copy_bandwidth`: measured copy bandwidth (bytes read + written per second), the
   ceiling a memory-bound kernel is compared with.
 - :func:`print_table`: a markdown table; :func:`speedup_rows` builds rows with ms, GB/s and a
@@ -49,6 +50,31 @@ def time_fn(fn: Callable[[], object], reps: int = 10, warmup: int = 2,
         if max_seconds is not None and spent > max_seconds and len(times) >= 3:
             break
     return {"median": statistics.median(times), "min": min(times), "n": len(times)}
+
+
+def time_interleaved(fns: Dict[str, Callable[[], object]], reps: int = 10, warmup: int = 2,
+                     device=None, max_seconds: Optional[Dict[str, float]] = None,
+                     min_calls: int = 3) -> Dict[str, Dict[str, float]]:
+    """Like :func:`time_fn` for several variants, timed in turns (one call of each per
+    round), so that a load change on a noisy machine hits all of them alike. A variant
+    whose ``max_seconds[name]`` is spent drops out after at least ``min_calls`` calls."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            budget = (max_seconds or {}).get(name)
+            if budget is not None and len(times[name]) >= min_calls and sum(times[name]) > budget:
+                continue
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {k: {"median": statistics.median(v), "min": min(v), "n": len(v)}
+            for k, v in times.items()}
 
 
 def copy_bandwidth(device="cpu", nbytes: int = 256 << 20, reps: int = 10) -> float:

@@ -144,7 +144,12 @@ struct Segment {
 // ---- the element loop ------------------------------------------------------------------
 ZX_INLINE void sqrt_inplace(float* t, int64_t n) {
   int64_t i = 0;
-#if ZX_X86
+#if ZX_X86 && defined(__AVX512F__)  // a build for this machine (-march=native)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(t + i, _mm512_sqrt_ps(_mm512_loadu_ps(t + i)));
+#elif ZX_X86 && defined(__AVX__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(t + i, _mm256_sqrt_ps(_mm256_loadu_ps(t + i)));
+#endif
+#if ZX_X86  // SSE is in every x86-64 target, so also in every target_clones variant
   for (; i + 4 <= n; i += 4) _mm_storeu_ps(t + i, _mm_sqrt_ps(_mm_loadu_ps(t + i)));
 #endif
   for (; i < n; ++i) t[i] = std::sqrt(t[i]);

@@ -140,7 +140,10 @@ def test_flat_range_segments_equal_whole_param(device):
     w = _clone([whole])
     _call(K.fused_adamw_, w, torch.tensor([5.0]), torch.tensor([0]), table)
     for x, y in zip(pieces[:4], w[0][:4]):
-        assert torch.equal(x, y)
+        if device == "cpu":  # the CPU kernel's result does not depend on where a range starts
+            assert torch.equal(x, y)
+        else:  # CUDA: unaligned pieces take the scalar path, whole tensors the vector path
+            torch.testing.assert_close(x, y, **FP32_TOL)
     # and two groups over one buffer: each range follows its own group
     mixed = _clone([whole])[0]
     segs = [[t[:5000] for t in mixed[:4]] + [torch.empty(0, device=device)],
@@ -584,7 +587,7 @@ def test_cuda_steps_on_device_and_many_segments():
     _call(K.fused_adamw_, a, steps.cuda(), sg, table)   # steps on the device
     _call(K.fused_adamw_, b, steps, sg, table)          # steps on the CPU
     _call(K.fused_adamw_reference_, c, steps, sg, table)
-    _assert_segs_close(a, b, dict(atol=0, rtol=0))
+    _assert_segs_close(a, b, FP32_TOL)  # device pow/sqrt in double may differ in the last ulp
     _assert_segs_close(a, c, FP32_TOL)
 
 

@@ -69,6 +69,7 @@ class FusedShardStep:
         for u in self.units:
             by_bucket.setdefault(u.bucket, []).append(u)
         self.group_of_key = {id(u.key): u.group for u in self.units}
+        self.regions = None  # the exchange's regions per chunk, cached by the optimizer
         self.bounds: dict[int, list[tuple[int, int]]] = {}
         for bi, b in enumerate(opt._buckets):
             lo, hi = b.rank_ranges[opt.rank]

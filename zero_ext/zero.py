@@ -8,6 +8,7 @@ state.py.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import torch
@@ -121,6 +122,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._buffers: dict[int, torch.Tensor] = {}   # bucket index -> flat buffer (views on)
         self._shards: list[dict] = []        # flat mode: per bucket {storage, grad, runs}
         self._consolidated: dict | None = None
+        # seconds of the last step: local update, time waiting for the exchange, total
+        self.last_step_timings: dict[str, float] = {}
         self._is_trainable_mask = self._trainable_mask()
 
         self._add_generation(list(range(len(self._all_params))), initial=True)
@@ -220,8 +223,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         b = self._buckets[bi]
         tensors = [self._all_params[i].detach() for i in b.param_ids]
         if self.parameters_as_bucket_view:
-            buf = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+            buf = torch.empty(b.numel, dtype=b.dtype, device=b.device)
             kernels.flatten_into(tensors, buf, b.offsets)
+            ends = [off + n for off, n in zip(b.offsets, b.numels)]
+            for gap_lo, gap_hi in zip(ends, b.offsets[1:] + [b.numel]):
+                if gap_hi > gap_lo:
+                    buf[gap_lo:gap_hi].zero_()  # alignment padding: deterministic bytes
             for pid, off, n in zip(b.param_ids, b.offsets, b.numels):
                 p = self._all_params[pid]
                 p.data = buf[off:off + n].view_as(p)
@@ -363,22 +370,43 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     loss = closure()
             self._fused_step_and_sync()
         else:
+            t0 = time.perf_counter()
             loss = self._generic_step(closure, **kwargs)
+            t1 = time.perf_counter()
             self._sync_params()
+            t2 = time.perf_counter()
+            self.last_step_timings = {"local": t1 - t0, "comm": t2 - t1, "total": t2 - t0}
         self._copy_hyperparameters(self.optim.param_groups, self.param_groups)
         return loss
 
     def _fused_step_and_sync(self) -> None:
         stepper = self._fused_step()
+        t0 = time.perf_counter()
         if not self._overlapped():
             stepper.run()
+            t1 = time.perf_counter()
             self._sync_params()
+            t2 = time.perf_counter()
+            self.last_step_timings = {"local": t1 - t0, "comm": t2 - t1, "total": t2 - t0}
             return
         # Chunk k of every rank's range goes out as soon as this rank has computed its own.
-        regions_per_chunk = self._chunk_regions(stepper)
+        if stepper.regions is None:
+            stepper.regions = self._chunk_regions(stepper)
         pipe = self._exchanger.pipeline()
-        stepper.run(after_chunk=lambda k: pipe.send(regions_per_chunk[k]))
+        comm = [0.0]
+
+        def send(k: int) -> None:
+            t = time.perf_counter()
+            pipe.send(stepper.regions[k])
+            comm[0] += time.perf_counter() - t
+
+        stepper.run(after_chunk=send)
+        t1 = time.perf_counter()
         pipe.finish()
+        t2 = time.perf_counter()
+        # "comm" is the time this rank waited for the exchange (the rest overlapped).
+        self.last_step_timings = {"local": t1 - t0 - comm[0], "comm": comm[0] + t2 - t1,
+                                  "total": t2 - t0}
 
     def _chunk_regions(self, stepper: FusedShardStep) -> list[list[tuple[torch.Tensor, int]]]:
         out: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(stepper.chunks)]

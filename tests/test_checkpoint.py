@@ -191,6 +191,12 @@ def _w2(rank, world, root, w3_starts, adafactor_start):
     from zero_ext import checkpoint
 
     out = {"from_w3": _resume_all("w3", root, w3_starts)}
+    checkpoint.DIRECT_READS = False  # DCP's own reader: the same bytes must come back
+    try:
+        ps, _, _ = _resume(w3_starts["flat"], "param", os.path.join(root, "w3_flat"))
+        out["dcp_reader"] = detached(ps)
+    finally:
+        checkpoint.DIRECT_READS = True
     ps = trainable(adafactor_start)
     opt = make_zero(_adafactor_groups(ps), torch.optim.Adafactor, None)
     checkpoint.load(opt, os.path.join(root, "w3_adafactor"))
@@ -290,6 +296,12 @@ def test_world3_to_world2(w2, ref, save_mode, load_mode):
 def test_world3_to_world1_without_dist(w1_again, ref, save_mode, load_mode):
     _check_resumed([w1_again[(save_mode, load_mode)]], ref,
                    f"saved {save_mode}@3, loaded {load_mode}@1 (no dist)")
+
+
+def test_direct_reads_match_dcp_reader(w2):
+    for v in w2:
+        for a, b in zip(v["dcp_reader"], v["from_w3"][("flat", "param")]["params"]):
+            assert torch.equal(a, b)
 
 
 def test_adafactor_whole_state_world3_to_world2(w2):

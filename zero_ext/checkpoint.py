@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import io
 import os
 import shutil
+import struct
 import sys
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -47,6 +50,10 @@ OLD_SUFFIX = ".zero_ext-old"
 # Largest stored item, in elements (loading reads stored items whole, then keeps the part
 # it needs: this bounds the transient memory of a load).
 SAVE_CHUNK = int(os.environ.get("ZERO_EXT_SAVE_CHUNK", str(1 << 23)))
+# Read stored elements straight from the file into the optimizer's new state tensors when the
+# stored item is a plain uncompressed tensor record (else DCP's reader: torch.load the whole
+# item, then copy the needed part).
+DIRECT_READS = os.environ.get("ZERO_EXT_CKPT_DIRECT_READS", "1") == "1"
 
 # Test hook: called on rank 0 with the final path after the new checkpoint is complete in the
 # temporary directory and before it is swapped into place (raising here simulates a crash).
@@ -302,9 +309,12 @@ def _mismatches(opt, meta: dict) -> list[str]:
                        f"{len(g['params'])} in the optimizer")
     if out:
         return out
+    group_start = [0]
+    for g in groups:
+        group_start.append(group_start[-1] + len(g["params"]))
     for pid, ((shape, dt, _), p) in enumerate(zip(meta["params"], opt._all_params)):
         gi = opt._group_of[pid]
-        where = f"param {pid} (group {gi}, index {pid - sum(len(g['params']) for g in groups[:gi])})"
+        where = f"param {pid} (group {gi}, index {pid - group_start[gi]})"
         if tuple(shape) != tuple(p.shape):
             out.append(f"{where}: shape {tuple(shape)} in the checkpoint, {tuple(p.shape)} "
                        "in the optimizer")
@@ -467,11 +477,115 @@ def _make_planner(reads: _Reads):
     return RangeReadPlanner()
 
 
+class _Slice(io.RawIOBase):
+    """A read-only window [offset, offset + length) of an open binary file."""
+
+    def __init__(self, f, offset: int, length: int):
+        super().__init__()
+        self.f, self.base, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        self.f.seek(self.base + self.pos)
+        got = self.f.readinto(memoryview(b)[:n]) or 0
+        self.pos += got
+        return got
+
+
+def _raw_data_offset(f, info, nbytes: int) -> int | None:
+    """File offset of the raw elements of a stored item (a torch.save zip holding one
+    tensor), or None when the item is anything else (compressed, transformed, several
+    storages, other byte order, unexpected size): then DCP's own reader handles it."""
+    if getattr(info, "transform_descriptors", None) or sys.byteorder != "little":
+        return None
+    view = _Slice(f, info.offset, info.length)
+    try:
+        with zipfile.ZipFile(view) as zf:
+            names = zf.namelist()
+            data = [n for n in names if n.split("/")[-2:-1] == ["data"]]
+            order = [n for n in names if n.endswith("/byteorder")]
+            if len(data) != 1 or (order and zf.read(order[0]) != b"little"):
+                return None
+            zi = zf.getinfo(data[0])
+            if zi.compress_type != zipfile.ZIP_STORED or zi.file_size != nbytes:
+                return None
+            view.seek(zi.header_offset)
+            head = view.read(30)
+            if len(head) != 30 or head[:4] != b"PK\x03\x04":
+                return None
+            name_len, extra_len = struct.unpack("<HH", head[26:30])
+            return info.offset + zi.header_offset + 30 + name_len + extra_len
+    except (zipfile.BadZipFile, OSError, ValueError, KeyError, struct.error):
+        return None
+
+
+def _make_reader(path: str):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    class DirectReader(dcp.FileSystemReader):
+        """FileSystemReader that reads element ranges straight into the destinations."""
+
+        def read_data(self, plan, planner):
+            md = getattr(getattr(planner, "metadata", None), "state_dict_metadata", {})
+            rest, by_file = [], {}
+            for req in plan.items:
+                info = self.storage_data[req.storage_index]
+                by_file.setdefault(info.relative_path, []).append((req, info))
+            for rel, reqs in by_file.items():
+                with open(os.path.join(self.path, rel), "rb", buffering=0) as f:
+                    where: dict[str, int | None] = {}
+                    for req, info in reqs:
+                        key = req.storage_index.fqn
+                        dest = planner.resolve_tensor(req).detach()
+                        tmd = md.get(key)
+                        if not (isinstance(tmd, TensorStorageMetadata) and len(tmd.size) == 1
+                                and tmd.properties.dtype == dest.dtype and dest.dim() == 1
+                                and dest.device.type == "cpu" and dest.is_contiguous()):
+                            rest.append(req)
+                            continue
+                        if key not in where:
+                            where[key] = _raw_data_offset(
+                                f, info, tmd.size[0] * dest.element_size())
+                        if where[key] is None:
+                            rest.append(req)
+                            continue
+                        buf = memoryview(dest.view(torch.uint8).numpy())
+                        f.seek(where[key] + req.storage_offsets[0] * dest.element_size())
+                        done = 0
+                        while done < len(buf):
+                            got = f.readinto(buf[done:])
+                            if not got:
+                                raise OSError(f"{rel}: unexpected end of file reading {key}")
+                            done += got
+            if rest:
+                return super().read_data(LoadPlan(rest), planner)
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(None)
+            return fut
+
+    return DirectReader(path) if DIRECT_READS else dcp.FileSystemReader(path)
+
+
 def _read(path: str, reads: _Reads, process_group, no_dist: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
     with _quiet_single_process():
-        dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_make_planner(reads),
+        dcp.load({}, storage_reader=_make_reader(path), planner=_make_planner(reads),
                  process_group=process_group, no_dist=no_dist)
 
 

@@ -125,20 +125,6 @@ def local_state(opt: "ZeroRedundancyOptimizer") -> LocalState:
     return out
 
 
-def local_pieces(opt: "ZeroRedundancyOptimizer", to_cpu: bool = True) -> list[tuple]:
-    """This rank's state as pieces ("part", pid, start, length, {name: 1-D}, scalars)
-    (copies; kept for callers that want plain tensors rather than views)."""
-    loc = local_state(opt)
-    move = (lambda t: t.to("cpu", copy=True)) if to_cpu else (lambda t: t.clone())
-    by_piece: dict[tuple, dict] = {}
-    for s in loc.segments:
-        t = move(s.tensor) if s.whole_shape is None else move(s.tensor).view(s.whole_shape)
-        by_piece.setdefault((s.pid, s.start, s.length), {})[s.name] = t
-    return [("part", pid, start, length, elems,
-             {k: _portable(v) for k, v in loc.scalars.get(pid, {}).items()})
-            for (pid, start, length), elems in by_piece.items()]
-
-
 # ------------------------------------------------------------------------ consolidation
 
 
@@ -318,30 +304,6 @@ def consolidate(opt: "ZeroRedundancyOptimizer", to: int) -> dict | None:
             _recv_segments(opt, gathered[r]["segs"], per_rank[r],
                            dist.get_global_rank(opt.process_group, r), chunk)
     return full.result()
-
-
-def assemble(opt: "ZeroRedundancyOptimizer", pieces_per_rank: list[list[tuple]]) -> dict:
-    """Full per-param state {global index: {name: value}} from local_pieces() of every rank."""
-    full: dict[int, dict] = {}
-    for pieces in pieces_per_rank:
-        for _, pid, start, length, elems, scalars in pieces:
-            p = opt._all_params[pid]
-            st = full.setdefault(pid, {})
-            for k, v in scalars.items():
-                st.setdefault(k, v)
-            for k, v in elems.items():
-                if not _is_per_element(v, length) or v.dim() != 1:
-                    st[k] = v  # a whole, non-per-element tensor
-                    continue
-                if k not in st:
-                    st[k] = torch.zeros(p.numel(), dtype=v.dtype, device=v.device)
-                st[k][start:start + length].copy_(v)
-    for pid, st in full.items():
-        p = opt._all_params[pid]
-        for k, v in st.items():
-            if _is_per_element(v, p.numel()) and v.shape != p.shape:
-                st[k] = v.view(p.shape)
-    return dict(sorted(full.items()))
 
 
 def torch_format(opt: "ZeroRedundancyOptimizer", full_state: dict) -> dict:

@@ -31,7 +31,7 @@ namespace {
 constexpr int kCols = 7;  // lr, beta1, beta2, eps, weight_decay, amsgrad, maximize
 constexpr int kThreads = 256;
 constexpr int kVec = 4;
-constexpr int64_t kChunk = int64_t(kThreads) * kVec * 4;  // elements per block
+constexpr int64_t kChunk = int64_t(kThreads) * kVec * 8;  // elements per block
 constexpr int64_t kMaxBlocksPerLaunch = 2147483647;      // gridDim.x limit
 
 enum Kind : int { kF32 = 0, kBF16 = 1, kF16 = 2 };

@@ -136,6 +136,7 @@ struct Segment {
   void* m;
   void* v;
   void* vmax;  // null unless amsgrad
+  int64_t numel;
   int pkind;
   int skind;
   Scalars sc;
@@ -314,6 +315,9 @@ void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList
   const int64_t G = hp_c.size(0);
 
   std::vector<Segment> segs;
+  Scalars last_sc{};
+  int64_t last_group = -1;
+  float last_step = 0.0f;
   std::vector<KernelFn> fns;
   std::vector<int64_t> offsets;  // prefix sums of the non-empty segments' numel
   segs.reserve(S);
@@ -373,7 +377,15 @@ void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList
     s.vmax = vmax_ptr;
     s.pkind = pk;
     s.skind = kind_of(m.scalar_type());
-    s.sc = make_scalars(h, double(step_ptr[i]), scale);
+    // Segments of one group mostly share a step: compute each (group, step) once.
+    const float step = step_ptr[i];
+    if (gi != last_group || !(step == last_step)) {
+      last_sc = make_scalars(h, double(step), scale);
+      last_group = gi;
+      last_step = step;
+    }
+    s.sc = last_sc;
+    s.numel = n;
     segs.push_back(s);
     fns.push_back(pick_kernel(pk, s.skind, ams));
     offsets.push_back(offsets.back() + n);

@@ -175,11 +175,12 @@ def fused_adamw_(
     dtype it does not cover, those segments are staged (or run by the reference) here, so the
     common all-contiguous call pays no per-tensor Python checks.
     """
-    params = list(params)
-    grads = list(grads)
-    exp_avgs = list(exp_avgs)
-    exp_avg_sqs = list(exp_avg_sqs)
-    max_exp_avg_sqs = list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else []
+    params, grads, exp_avgs, exp_avg_sqs = (
+        x if isinstance(x, list) else list(x) for x in (params, grads, exp_avgs, exp_avg_sqs))
+    if max_exp_avg_sqs is None:
+        max_exp_avg_sqs = []
+    elif not isinstance(max_exp_avg_sqs, list):
+        max_exp_avg_sqs = list(max_exp_avg_sqs)
     device = params[0].device if params else torch.device("cpu")
     if not native_available(_OP, device):
         fused_adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,

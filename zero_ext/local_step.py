@@ -70,6 +70,7 @@ class FusedShardStep:
             by_bucket.setdefault(u.bucket, []).append(u)
         self.group_of_key = {id(u.key): u.group for u in self.units}
         self.regions = None  # the exchange's regions per chunk, cached by the optimizer
+        self._cache: dict | None = None
         self.bounds: dict[int, list[tuple[int, int]]] = {}
         for bi, b in enumerate(opt._buckets):
             lo, hi = b.rank_ranges[opt.rank]
@@ -82,41 +83,99 @@ class FusedShardStep:
                     if z > a:
                         self.plan[k].append((u, a - u.bucket_start, z - a))
 
-    def _prepare_state(self) -> dict:
-        """Init state lazily and advance the step of every local param that has a grad."""
-        state = self.opt.optim.state
-        has_grad: dict[int, bool] = {}
-        keys: dict[int, torch.Tensor] = {}
-        for u in self.units:
-            g = self.opt._all_params[u.param_id].grad
-            has_grad[id(u.key)] = has_grad.get(id(u.key), False) or g is not None
-            keys[id(u.key)] = u.key
-        amsgrad = [bool(g.get("amsgrad", False)) for g in self.opt.optim.param_groups]
-        steps = {}
-        for kid, key in keys.items():
-            if not has_grad[kid]:
-                continue
-            st = state[key]
-            if not st:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(key, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(key, memory_format=torch.preserve_format)
-            if amsgrad[self.group_of_key[kid]] and "max_exp_avg_sq" not in st:
-                st["max_exp_avg_sq"] = torch.zeros_like(key, memory_format=torch.preserve_format)
-            st["step"] += 1
-            steps[kid] = float(st["step"])
-        return steps
+    # -------------------------------------------------------------- state and steps
+
+    def _init_state(self, key: torch.Tensor, amsgrad: bool) -> dict:
+        """torch.optim.AdamW's per-param state, created lazily at the first grad."""
+        st = self.opt.optim.state[key]
+        if not st:
+            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+            st["exp_avg"] = torch.zeros_like(key, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(key, memory_format=torch.preserve_format)
+        if amsgrad and "max_exp_avg_sq" not in st:
+            st["max_exp_avg_sq"] = torch.zeros_like(key, memory_format=torch.preserve_format)
+        return st
 
     def reset(self) -> None:
-        """Nothing cached depends on the state's tensors (kept for load_state_dict)."""
+        """Forget the cached views of the state (after load_state_dict replaced it)."""
+        self._cache = None
+
+    def _static_views(self, amsgrad: list[bool]) -> dict:
+        """Views of params and state per chunk, built once: only the grads change between
+        steps, so a step costs one Python pass over the segments, not six view() calls
+        each. Valid while every local param steps (the common case) and nothing replaces
+        the state tensors."""
+        keys: dict[int, torch.Tensor] = {}
+        for u in self.units:
+            keys.setdefault(id(u.key), u.key)
+        key_index = {kid: i for i, kid in enumerate(keys)}
+        states = [self._init_state(k, amsgrad[self.group_of_key[kid]])
+                  for kid, k in keys.items()]
+        chunks = []
+        for segs in self.plan:
+            c = {"ps": [], "ms": [], "vs": [], "xs": [], "grad_src": [], "key": [], "grp": []}
+            for u, a, n in segs:
+                st = states[key_index[id(u.key)]]
+                o = u.key_offset + a
+                c["ps"].append(u.key.detach().view(-1)[o:o + n])
+                c["ms"].append(st["exp_avg"].view(-1)[o:o + n])
+                c["vs"].append(st["exp_avg_sq"].view(-1)[o:o + n])
+                x = st.get("max_exp_avg_sq")
+                c["xs"].append(x.view(-1)[o:o + n] if x is not None else x)
+                c["grad_src"].append((u.param_id, u.param_start + a, n))
+                c["key"].append(key_index[id(u.key)])
+                c["grp"].append(u.group)
+            c["grp"] = torch.tensor(c["grp"], dtype=torch.int64)
+            chunks.append(c)
+        return {"amsgrad": list(amsgrad), "chunks": chunks,
+                "steps": [st["step"] for st in states],
+                "step_values": [float(st["step"]) for st in states]}
 
     def run(self, after_chunk=None) -> None:
         """One step; `after_chunk(k)` is called once chunk k's params are final."""
         opt = self.opt
-        steps = self._prepare_state()
+        params = opt._all_params
+        if any(params[u.param_id].grad is None for u in self.units):
+            return self._run_some(after_chunk)
+        amsgrad = [bool(g.get("amsgrad", False)) for g in opt.optim.param_groups]
+        if self._cache is None or self._cache["amsgrad"] != amsgrad:
+            self._cache = self._static_views(amsgrad)
+        cache = self._cache
+        if cache["steps"]:
+            torch._foreach_add_(cache["steps"], 1.0)  # every local param's step at once
+        values = cache["step_values"] = [v + 1.0 for v in cache["step_values"]]
         table = group_hparams_table(opt.optim.param_groups)
+        any_amsgrad = any(amsgrad)
+        for k, c in enumerate(cache["chunks"]):
+            if c["ps"]:
+                gs = []
+                for pid, a, n in c["grad_src"]:
+                    g = params[pid].grad
+                    gs.append((g.view(-1) if g.is_contiguous() else g.reshape(-1))[a:a + n])
+                xs = [x if x is not None else p.new_empty(0) for x, p in zip(c["xs"], c["ps"])] \
+                    if any_amsgrad else []
+                kernels.fused_adamw_(c["ps"], gs, c["ms"], c["vs"], xs,
+                                     torch.tensor([values[i] for i in c["key"]],
+                                                  dtype=torch.float32), c["grp"], table)
+            if after_chunk is not None:
+                after_chunk(k)
+
+    def _run_some(self, after_chunk=None) -> None:
+        """The general case: some local params have no grad this step. They are skipped
+        and their step is not advanced, as in torch."""
+        self._cache = None
+        opt = self.opt
         state = opt.optim.state
-        any_amsgrad = bool(table[:, 5].any()) if table.numel() else False
+        amsgrad = [bool(g.get("amsgrad", False)) for g in opt.optim.param_groups]
+        steps: dict[int, float] = {}
+        for u in self.units:
+            if id(u.key) in steps or opt._all_params[u.param_id].grad is None:
+                continue
+            st = self._init_state(u.key, amsgrad[u.group])
+            st["step"] += 1
+            steps[id(u.key)] = float(st["step"])
+        table = group_hparams_table(opt.optim.param_groups)
+        any_amsgrad = any(amsgrad)
         for k, segs in enumerate(self.plan):
             ps, gs, ms, vs, xs, st, grp = [], [], [], [], [], [], []
             for u, a, n in segs:

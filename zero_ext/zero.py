@@ -30,6 +30,7 @@ _ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "
                 "Adadelta", "Rprop", "ASGD"}
 AUTO_FLAT_THRESHOLD = 1.05  # max/mean whole-param load above which "auto" picks "flat"
 OVERLAP_CHUNKS = 4  # local-step chunks whose exchange overlaps the next chunk's compute
+OVERLAP_MIN_CHUNK_ELEMS = 1 << 21  # below ~8 MB a chunk's broadcast costs more than it hides
 
 
 def is_elementwise(optimizer_class: type) -> bool:
@@ -307,8 +308,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._stepper
 
     def _chunks_per_step(self) -> int:
-        # Chunks only pay off when the exchange can overlap the compute (see _overlapped).
-        return OVERLAP_CHUNKS if self._overlapped() else 1
+        """Chunks pay off only when the exchange can overlap the compute (_overlapped) and
+        each is big enough to hide a collective's fixed cost. Decided from the mean share,
+        which every rank computes alike (the broadcast sequence must match)."""
+        if not self._overlapped():
+            return 1
+        mean_share = sum(b.numel for b in self._buckets) // self.world_size
+        return max(1, min(OVERLAP_CHUNKS, mean_share // OVERLAP_MIN_CHUNK_ELEMS))
 
     def _overlapped(self) -> bool:
         """gloo with bucket views: broadcast chunk k while chunk k+1 is computed. (On NCCL

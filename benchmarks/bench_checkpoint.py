@@ -3,7 +3,8 @@
 World N (default 2) on gloo, spawned processes, GPT-2-small shapes (124M params, decay and
 no-decay groups) with AdamW state after one step (2 x 124M fp32 state elements in all).
 Both optimizers live in the same processes on the same params; every operation is timed from
-a barrier to a barrier (slowest rank) and measured for memory:
+a barrier to a barrier (slowest rank; os.sync() before each, untimed, so that one write's
+page-cache flush is not charged to the next operation) and measured for memory:
 
   consolidate   zero_ext consolidate_state_dict(0)  vs torch ZeRO consolidate_state_dict(0)
   + torch.save  the above, then rank 0 torch.save(state_dict()) to a file
@@ -119,6 +120,8 @@ def worker(rank: int, world: int, args, store: str, out_path: str) -> None:
 
     def measure(name: str, fn) -> None:
         gc.collect()
+        if rank == 0:
+            os.sync()  # the previous operation's dirty pages are not this one's cost
         dist.barrier()
         _reset_peak()
         rss0 = _kb("VmRSS")

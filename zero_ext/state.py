@@ -171,24 +171,35 @@ def _transport_device(opt) -> torch.device:
 
 
 class _Staging:
-    """One buffer of at most `chunk` elements per dtype, allocated on first use."""
+    """Per dtype, one buffer as big as the largest message that cannot go as a view (at
+    most one chunk), allocated on first use; one dtype at a time (the plan is sorted)."""
 
-    def __init__(self, chunk: int, device: torch.device):
-        self.chunk, self.device, self.bufs = chunk, device, {}
+    def __init__(self, plan: list, direct, device: torch.device):
+        self.device, self.bufs, self.need = device, {}, {}
+        for k, (dt, parts) in enumerate(plan):
+            if not direct(k):
+                self.need[dt] = max(self.need.get(dt, 0), sum(n for _, _, n in parts))
 
     def get(self, dtype: str, n: int) -> torch.Tensor:
         if dtype not in self.bufs:
-            self.bufs.clear()  # one dtype at a time: the plan is sorted by dtype
-            self.bufs[dtype] = torch.empty(self.chunk, dtype=_dtype(dtype), device=self.device)
+            self.bufs.clear()
+            self.bufs[dtype] = torch.empty(self.need[dtype], dtype=_dtype(dtype),
+                                           device=self.device)
         return self.bufs[dtype][:n]
 
 
 def _send_segments(opt, segments: list[Segment], dst: int, chunk: int) -> None:
     dev = _transport_device(opt)
     backend = dist.get_backend(opt.process_group)
-    staging = _Staging(chunk, dev)
-    for dt, parts in message_plan([s.describe() for s in segments], chunk):
-        if len(parts) == 1 and segments[parts[0][0]].tensor.device == dev:
+    plan = message_plan([s.describe() for s in segments], chunk)
+
+    def direct(k):
+        parts = plan[k][1]
+        return len(parts) == 1 and segments[parts[0][0]].tensor.device == dev
+
+    staging = _Staging(plan, direct, dev)
+    for k, (dt, parts) in enumerate(plan):
+        if direct(k):
             i, off, n = parts[0]
             buf = segments[i].tensor[off:off + n]
         else:
@@ -204,9 +215,15 @@ def _recv_segments(opt, seg_descs: list[tuple], dests: list[torch.Tensor], src: 
                    chunk: int) -> None:
     dev = _transport_device(opt)
     backend = dist.get_backend(opt.process_group)
-    staging = _Staging(chunk, dev)
-    for dt, parts in message_plan(seg_descs, chunk):
-        if len(parts) == 1 and dests[parts[0][0]].device == dev:
+    plan = message_plan(seg_descs, chunk)
+
+    def direct(k):
+        parts = plan[k][1]
+        return len(parts) == 1 and dests[parts[0][0]].device == dev
+
+    staging = _Staging(plan, direct, dev)
+    for k, (dt, parts) in enumerate(plan):
+        if direct(k):
             i, off, n = parts[0]
             dist.recv(wire_view(dests[i][off:off + n], backend), src=src,
                       group=opt.process_group)

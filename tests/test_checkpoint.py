@@ -474,6 +474,38 @@ def test_interrupted_save_keeps_previous_checkpoint(atomic):
     assert v["leftovers"] == [], f"leftover directories: {v['leftovers']}"
 
 
+def _w2_killed(rank, world, root):
+    from zero_ext import checkpoint
+
+    path = os.path.join(root, "killed")
+    ps = new_params()
+    opt = _zero(ps, "flat")
+    train(opt, ps, range(K))
+    opt.param_groups[0]["lr"] = LR0_AT_SAVE
+    checkpoint.save(opt, path)
+    train(opt, ps, range(K, K + 1))
+
+    def die(_path):
+        os._exit(17)  # rank 0 dies after writing the new checkpoint, before the swap
+
+    checkpoint._before_swap = die
+    checkpoint.save(opt, path)
+    return "rank 0 should not get here"
+
+
+def test_killed_save_keeps_previous_checkpoint(root, ref):
+    """A rank process dying in the middle of a save: the others are stopped by the harness,
+    and the previous checkpoint is still complete (loaded here at world 1, no dist)."""
+    from zero_ext import checkpoint
+
+    with pytest.raises(AssertionError, match="world of 2 ranks failed"):
+        run_world(_w2_killed, 2, root, timeout=120)
+    path = os.path.join(root, "killed")
+    assert os.path.isdir(path + checkpoint.TMP_SUFFIX), "the unfinished save stays aside"
+    ps, _, lr0 = _resume(ref[0], "param", path)
+    _check_resumed([{"params": detached(ps), "lr0": lr0}], ref, "after a killed save")
+
+
 # --------------------------------------------------------------------------------------------
 # checkpoints that do not fit
 

@@ -100,14 +100,15 @@ class FusedShardStep:
         """Forget the cached views of the state (after load_state_dict replaced it)."""
         self._cache = None
 
-    def _static_views(self, amsgrad: list[bool]) -> dict:
-        """Views of params and state per chunk, built once: only the grads change between
-        steps, so a step costs one Python pass over the segments, not six view() calls
-        each. Valid while every local param steps (the common case) and nothing replaces
-        the state tensors."""
+    def _views(self, amsgrad: list[bool], stepping: set[int] | None) -> dict:
+        """Views of params and state per chunk for the local params that step (`stepping`:
+        ids of their keys; None = all). Cached while every local param steps (the common
+        case), so a step costs one Python pass over the segments, not six view() calls
+        each, and one _foreach_add_ for all the steps."""
         keys: dict[int, torch.Tensor] = {}
         for u in self.units:
-            keys.setdefault(id(u.key), u.key)
+            if stepping is None or id(u.key) in stepping:
+                keys.setdefault(id(u.key), u.key)
         key_index = {kid: i for i, kid in enumerate(keys)}
         states = [self._init_state(k, amsgrad[self.group_of_key[kid]])
                   for kid, k in keys.items()]
@@ -115,13 +116,15 @@ class FusedShardStep:
         for segs in self.plan:
             c = {"ps": [], "ms": [], "vs": [], "xs": [], "grad_src": [], "key": [], "grp": []}
             for u, a, n in segs:
+                if id(u.key) not in key_index:
+                    continue
                 st = states[key_index[id(u.key)]]
                 o = u.key_offset + a
                 c["ps"].append(u.key.detach().view(-1)[o:o + n])
                 c["ms"].append(st["exp_avg"].view(-1)[o:o + n])
                 c["vs"].append(st["exp_avg_sq"].view(-1)[o:o + n])
                 x = st.get("max_exp_avg_sq")
-                c["xs"].append(x.view(-1)[o:o + n] if x is not None else x)
+                c["xs"].append(x.view(-1)[o:o + n] if x is not None else u.key.new_empty(0))
                 c["grad_src"].append((u.param_id, u.param_start + a, n))
                 c["key"].append(key_index[id(u.key)])
                 c["grp"].append(u.group)
@@ -132,69 +135,33 @@ class FusedShardStep:
                 "step_values": [float(st["step"]) for st in states]}
 
     def run(self, after_chunk=None) -> None:
-        """One step; `after_chunk(k)` is called once chunk k's params are final."""
+        """One step; `after_chunk(k)` is called once chunk k's params are final. Local
+        params without a grad are skipped and their step is not advanced, as in torch."""
         opt = self.opt
         params = opt._all_params
-        if any(params[u.param_id].grad is None for u in self.units):
-            return self._run_some(after_chunk)
         amsgrad = [bool(g.get("amsgrad", False)) for g in opt.optim.param_groups]
-        if self._cache is None or self._cache["amsgrad"] != amsgrad:
-            self._cache = self._static_views(amsgrad)
-        cache = self._cache
-        if cache["steps"]:
-            torch._foreach_add_(cache["steps"], 1.0)  # every local param's step at once
-        values = cache["step_values"] = [v + 1.0 for v in cache["step_values"]]
+        if all(params[u.param_id].grad is not None for u in self.units):
+            if self._cache is None or self._cache["amsgrad"] != amsgrad:
+                self._cache = self._views(amsgrad, None)
+            views = self._cache
+        else:
+            self._cache = None
+            views = self._views(amsgrad, {id(u.key) for u in self.units
+                                          if params[u.param_id].grad is not None})
+        if views["steps"]:
+            torch._foreach_add_(views["steps"], 1.0)
+        values = views["step_values"] = [v + 1.0 for v in views["step_values"]]
         table = group_hparams_table(opt.optim.param_groups)
         any_amsgrad = any(amsgrad)
-        for k, c in enumerate(cache["chunks"]):
+        for k, c in enumerate(views["chunks"]):
             if c["ps"]:
                 gs = []
                 for pid, a, n in c["grad_src"]:
                     g = params[pid].grad
                     gs.append((g.view(-1) if g.is_contiguous() else g.reshape(-1))[a:a + n])
-                xs = [x if x is not None else p.new_empty(0) for x, p in zip(c["xs"], c["ps"])] \
-                    if any_amsgrad else []
-                kernels.fused_adamw_(c["ps"], gs, c["ms"], c["vs"], xs,
+                kernels.fused_adamw_(c["ps"], gs, c["ms"], c["vs"],
+                                     c["xs"] if any_amsgrad else [],
                                      torch.tensor([values[i] for i in c["key"]],
                                                   dtype=torch.float32), c["grp"], table)
-            if after_chunk is not None:
-                after_chunk(k)
-
-    def _run_some(self, after_chunk=None) -> None:
-        """The general case: some local params have no grad this step. They are skipped
-        and their step is not advanced, as in torch."""
-        self._cache = None
-        opt = self.opt
-        state = opt.optim.state
-        amsgrad = [bool(g.get("amsgrad", False)) for g in opt.optim.param_groups]
-        steps: dict[int, float] = {}
-        for u in self.units:
-            if id(u.key) in steps or opt._all_params[u.param_id].grad is None:
-                continue
-            st = self._init_state(u.key, amsgrad[u.group])
-            st["step"] += 1
-            steps[id(u.key)] = float(st["step"])
-        table = group_hparams_table(opt.optim.param_groups)
-        any_amsgrad = any(amsgrad)
-        for k, segs in enumerate(self.plan):
-            ps, gs, ms, vs, xs, st, grp = [], [], [], [], [], [], []
-            for u, a, n in segs:
-                g = opt._all_params[u.param_id].grad
-                if g is None:
-                    continue
-                s = state[u.key]
-                o = u.key_offset + a
-                ps.append(u.key.detach().view(-1)[o:o + n])
-                gs.append(g.reshape(-1)[u.param_start + a:u.param_start + a + n])
-                ms.append(s["exp_avg"].view(-1)[o:o + n])
-                vs.append(s["exp_avg_sq"].view(-1)[o:o + n])
-                if any_amsgrad:
-                    x = s.get("max_exp_avg_sq")
-                    xs.append(x.view(-1)[o:o + n] if x is not None else ps[-1].new_empty(0))
-                st.append(steps[id(u.key)])
-                grp.append(u.group)
-            if ps:
-                kernels.fused_adamw_(ps, gs, ms, vs, xs, torch.tensor(st, dtype=torch.float32),
-                                     torch.tensor(grp, dtype=torch.int64), table)
             if after_chunk is not None:
                 after_chunk(k)

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "flatten_common.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -24,29 +26,9 @@ namespace {
 // than one thread, while at tens of MB the second thread pays off.
 constexpr int64_t kGrainBytes = int64_t{4} << 20;
 
-// Same checks (and words) as flatten.cu and zero_ext/kernels/flatten.py.
-void check_args(const char* op, at::TensorList tensors, const at::Tensor& flat,
-                at::IntArrayRef offsets) {
-  TORCH_CHECK(flat.dim() == 1, op, ": flat must be 1-D, got ", flat.dim(), "-D");
-  TORCH_CHECK(flat.is_contiguous(), op, ": flat must be contiguous");
-  TORCH_CHECK(tensors.size() == offsets.size(), op, ": got ", tensors.size(), " tensors but ",
-              offsets.size(), " offsets");
-  const int64_t total = flat.numel();
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    TORCH_CHECK(t.scalar_type() == flat.scalar_type(), op, ": tensors[", i, "] has dtype ",
-                t.scalar_type(), " but flat has dtype ", flat.scalar_type());
-    TORCH_CHECK(t.device() == flat.device(), op, ": tensors[", i, "] is on ", t.device(),
-                " but flat is on ", flat.device());
-    const int64_t off = offsets[i], n = t.numel();
-    TORCH_CHECK(off >= 0 && off <= total - n, op, ": tensors[", i, "] (", n,
-                " elements at offset ", off, ") does not fit in flat of ", total, " elements");
-  }
-}
-
 void copy_many(const char* op, at::TensorList tensors, const at::Tensor& flat,
                at::IntArrayRef offsets, bool to_flat) {
-  check_args(op, tensors, flat, offsets);
+  check_flatten_args(op, tensors, flat, offsets);
   const int64_t itemsize = flat.element_size();
   char* base = static_cast<char*>(flat.data_ptr());
 
@@ -87,15 +69,7 @@ void copy_many(const char* op, at::TensorList tensors, const at::Tensor& flat,
     });
   }
 
-  for (size_t i : strided) {
-    const at::Tensor& t = tensors[i];
-    at::Tensor slot = flat.narrow(0, offsets[i], t.numel()).view(t.sizes());
-    if (to_flat) {
-      slot.copy_(t);
-    } else {
-      t.copy_(slot);
-    }
-  }
+  copy_strided(tensors, flat, offsets, strided, to_flat);
 }
 
 void flatten_into_cpu(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef offsets) {

@@ -52,8 +52,10 @@ def _mp_context():
         method = os.environ.get("ZERO_EXT_TEST_START_METHOD", "forkserver")
         _ctx = mp.get_context(method)
         if method == "forkserver":
-            # Only torch: building/loading the native ops stays in the workers.
-            _ctx.set_forkserver_preload(["torch", "torch.distributed"])
+            # torch and its slow first imports (the optimizer base imports torch._dynamo);
+            # building/loading the native ops stays in the workers.
+            _ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                         "torch.distributed.checkpoint"])
     return _ctx
 
 

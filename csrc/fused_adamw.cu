@@ -248,8 +248,13 @@ void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name,
               " must be on ", dev, " (or the CPU), got ", t->device());
 }
 
-void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                      at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+// Lists as c10::List, read by reference: at::TensorList would make the dispatcher copy each
+// list into a std::vector first (a measurable host cost at tens of thousands of tensors).
+using TensorListRef = c10::List<at::Tensor>;
+
+void fused_adamw_cuda(const TensorListRef& params, const TensorListRef& grads,
+                      const TensorListRef& exp_avgs, const TensorListRef& exp_avg_sqs,
+                      const TensorListRef& max_exp_avg_sqs,
                       const at::Tensor& steps, const at::Tensor& segment_groups,
                       const at::Tensor& group_hparams,
                       const std::optional<at::Tensor>& grad_scale,
@@ -266,7 +271,7 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
               S, "), got ", max_exp_avg_sqs.size());
   TORCH_CHECK(S < (int64_t(1) << 31), "fused_adamw_: too many segments (", S, ")");
   if (S == 0) return;
-  const at::Device dev = params[0].device();
+  const at::Device dev = params.get(0).device();
   TORCH_CHECK(dev.is_cuda(), "fused_adamw_ (CUDA): params[0] is on ", dev);
   TORCH_CHECK(steps.scalar_type() == at::kFloat && steps.dim() == 1 && steps.numel() == S,
               "fused_adamw_: steps must be a float32 tensor of shape [", S, "], got ",
@@ -303,10 +308,10 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
   segs.reserve(S);
   int64_t n_chunks = 0;
   for (int64_t i = 0; i < S; ++i) {
-    const at::Tensor& p = params[i];
-    const at::Tensor& g = grads[i];
-    const at::Tensor& m = exp_avgs[i];
-    const at::Tensor& v = exp_avg_sqs[i];
+    const at::Tensor& p = params.get(i);
+    const at::Tensor& g = grads.get(i);
+    const at::Tensor& m = exp_avgs.get(i);
+    const at::Tensor& v = exp_avg_sqs.get(i);
     const int64_t gi = group_ptr[i];
     TORCH_CHECK(gi >= 0 && gi < G, "fused_adamw_: segment_groups[", i, "] = ", gi,
                 " is out of range for ", G, " groups");
@@ -339,7 +344,7 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
     if (ams) {
       TORCH_CHECK(!max_exp_avg_sqs.empty(), "fused_adamw_: group ", gi,
                   " uses amsgrad but max_exp_avg_sqs is empty");
-      const at::Tensor& x = max_exp_avg_sqs[i];
+      const at::Tensor& x = max_exp_avg_sqs.get(i);
       TORCH_CHECK(x.defined() && x.numel() == n && x.scalar_type() == m.scalar_type() &&
                       x.is_contiguous() && x.device() == dev,
                   "fused_adamw_: max_exp_avg_sqs[", i, "] must be a contiguous tensor on ",

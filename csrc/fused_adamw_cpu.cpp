@@ -393,8 +393,14 @@ static void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* 
               " must be on the CPU, got ", t->device());
 }
 
-void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+// The lists are taken as c10::List (shared with the boxed call, elements read by reference):
+// an at::TensorList parameter would make the dispatcher copy every list into a std::vector
+// first, a measurable cost at tens of thousands of tensors per call.
+using TensorListRef = c10::List<at::Tensor>;
+
+void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
+                     const TensorListRef& exp_avgs, const TensorListRef& exp_avg_sqs,
+                     const TensorListRef& max_exp_avg_sqs,
                      const at::Tensor& steps, const at::Tensor& segment_groups,
                      const at::Tensor& group_hparams,
                      const std::optional<at::Tensor>& grad_scale,
@@ -449,10 +455,10 @@ void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList
   offsets.reserve(S + 1);
   offsets.push_back(0);
   for (int64_t i = 0; i < S; ++i) {
-    const at::Tensor& p = params[i];
-    const at::Tensor& g = grads[i];
-    const at::Tensor& m = exp_avgs[i];
-    const at::Tensor& v = exp_avg_sqs[i];
+    const at::Tensor& p = params.get(i);
+    const at::Tensor& g = grads.get(i);
+    const at::Tensor& m = exp_avgs.get(i);
+    const at::Tensor& v = exp_avg_sqs.get(i);
     const int64_t gi = group_ptr[i];
     TORCH_CHECK(gi >= 0 && gi < G, "fused_adamw_: segment_groups[", i, "] = ", gi,
                 " is out of range for ", G, " groups");
@@ -485,7 +491,7 @@ void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList
     if (ams) {
       TORCH_CHECK(!max_exp_avg_sqs.empty(), "fused_adamw_: group ", gi,
                   " uses amsgrad but max_exp_avg_sqs is empty");
-      const at::Tensor& x = max_exp_avg_sqs[i];
+      const at::Tensor& x = max_exp_avg_sqs.get(i);
       TORCH_CHECK(x.defined() && x.numel() == n && x.scalar_type() == m.scalar_type() &&
                       x.is_contiguous() && x.device().is_cpu(),
                   "fused_adamw_: max_exp_avg_sqs[", i, "] must be a contiguous CPU tensor "

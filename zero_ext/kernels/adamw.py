@@ -188,17 +188,21 @@ def fused_adamw_(
         return
     _register_fakes()
     try:
-        torch.ops.zero_ext.fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                                        steps, segment_groups, group_hparams, grad_scale,
-                                        found_inf)
+        # no_grad: with grad mode on, the autograd fallback of a mutating op walks every
+        # tensor that requires grad (measured +70% call time at 20000 params).
+        with torch.no_grad():
+            torch.ops.zero_ext.fused_adamw_(params, grads, exp_avgs, exp_avg_sqs,
+                                            max_exp_avg_sqs, steps, segment_groups,
+                                            group_hparams, grad_scale, found_inf)
         return
     except RuntimeError:
         plan = _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                              segment_groups, group_hparams)
         if plan is None:  # the inputs are wrong for another reason: report the op's error
             raise
-    _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                segment_groups, group_hparams, grad_scale, found_inf)
+    with torch.no_grad():
+        _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                    segment_groups, group_hparams, grad_scale, found_inf)
 
 
 def _native_ok(p: Tensor, m: Tensor, v: Tensor, x: Optional[Tensor]) -> bool:

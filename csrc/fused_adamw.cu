@@ -306,6 +306,9 @@ void fused_adamw_cuda(const TensorListRef& params, const TensorListRef& grads,
   // Validate everything first: nothing is written when any check fails.
   std::vector<SegMeta> segs;
   segs.reserve(S);
+  Scalars last_sc{};
+  int64_t last_group = -1;
+  float last_step = 0.0f;
   int64_t n_chunks = 0;
   for (int64_t i = 0; i < S; ++i) {
     const at::Tensor& p = params.get(i);
@@ -361,8 +364,14 @@ void fused_adamw_cuda(const TensorListRef& params, const TensorListRef& grads,
     s.v = v.data_ptr();
     s.vmax = vmax_ptr;
     s.numel = n;
-    if (!steps_on_device) {
-      s.sc = make_scalars(h[0], h[1], h[2], h[3], h[4], h[6] != 0.0, double(host_steps[i]));
+    if (!steps_on_device) {  // segments of a group mostly share a step: compute it once
+      const float step = host_steps[i];
+      if (gi != last_group || !(step == last_step)) {
+        last_sc = make_scalars(h[0], h[1], h[2], h[3], h[4], h[6] != 0.0, double(step));
+        last_group = gi;
+        last_step = step;
+      }
+      s.sc = last_sc;
     }
     s.group = static_cast<int32_t>(gi);
     s.index = static_cast<int32_t>(i);

@@ -37,6 +37,7 @@ run() { # run WANTED_SECONDS LABEL CMD...: bounded, logged, never fatal
 }
 
 elapsed "environment"
+git log --oneline -1 2>/dev/null || true
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
 $PY -c "import torch, sys; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')" || true
 which nvcc ninja; nvcc --version | tail -2
@@ -78,3 +79,4 @@ if which compute-sanitizer >/dev/null 2>&1; then
     bash -c "compute-sanitizer --tool memcheck --print-limit 20 $PY -m pytest tests/test_fused_adamw.py -q -p no:cacheprovider -k 'cuda and (misaligned or many_segments or matches_reference)' 2>&1 | tail -40 | tee $OUT/sanitizer.log"
 fi
 elapsed "done"
+sleep 1  # let tee flush the log before $OUT is collected

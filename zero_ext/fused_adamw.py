@@ -21,7 +21,7 @@ grads, amsgrad flags); code that replaces state tensors in place of the optimize
 """
 from __future__ import annotations
 
-import math
+import inspect
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -30,6 +30,11 @@ from torch import Tensor
 from .kernels.adamw import fused_adamw_
 
 __all__ = ["FusedAdamW", "MultiGroupAdamW", "fused_path_supported", "hparams_row"]
+
+# torch >= 2.7 implements AdamW as Adam(decoupled_weight_decay=True) and keeps that key in
+# every group; FusedAdamW's groups carry it too where torch's do, so state dicts match.
+_TORCH_HAS_DECOUPLED_KEY = "decoupled_weight_decay" in inspect.signature(
+    torch.optim.Adam.__init__).parameters
 
 
 # --------------------------------------------------------------------------- hyperparameters
@@ -415,8 +420,9 @@ class FusedAdamW(torch.optim.Optimizer):
             "lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
             "amsgrad": amsgrad, "maximize": maximize, "foreach": foreach,
             "capturable": capturable, "differentiable": differentiable, "fused": fused,
-            "decoupled_weight_decay": True,
         }
+        if _TORCH_HAS_DECOUPLED_KEY:
+            defaults["decoupled_weight_decay"] = True
         self._engine = MultiGroupAdamW(FusedAdamW)
         super().__init__(params, defaults)
 
@@ -426,7 +432,7 @@ class FusedAdamW(torch.optim.Optimizer):
         _validate_hparams(get("lr"), get("betas"), get("eps"), get("weight_decay"), where)
         if get("capturable") or get("differentiable"):
             raise ValueError(f"FusedAdamW does not support capturable/differentiable{where}")
-        if not get("decoupled_weight_decay"):
+        if not param_group.get("decoupled_weight_decay", True):
             raise ValueError(f"FusedAdamW always decouples weight decay{where}")
         super().add_param_group(param_group)
         self._engine.invalidate()
@@ -435,9 +441,10 @@ class FusedAdamW(torch.optim.Optimizer):
         super().__setstate__(state)
         for group in self.param_groups:
             for k, v in (("amsgrad", False), ("maximize", False), ("foreach", None),
-                         ("capturable", False), ("differentiable", False), ("fused", None),
-                         ("decoupled_weight_decay", True)):
+                         ("capturable", False), ("differentiable", False), ("fused", None)):
                 group.setdefault(k, v)
+            if _TORCH_HAS_DECOUPLED_KEY:
+                group.setdefault("decoupled_weight_decay", True)
         if not hasattr(self, "_engine"):
             self._engine = MultiGroupAdamW(FusedAdamW)
         self._engine.invalidate()
@@ -447,7 +454,8 @@ class FusedAdamW(torch.optim.Optimizer):
         for group in self.param_groups:  # e.g. a torch.optim.AdamW(capturable=True) checkpoint
             group["capturable"] = False
             group["differentiable"] = False
-            group["decoupled_weight_decay"] = True
+            if "decoupled_weight_decay" in group:
+                group["decoupled_weight_decay"] = True
         self._engine.invalidate()
 
     @torch.no_grad()

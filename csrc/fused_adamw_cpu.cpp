@@ -9,10 +9,12 @@
 // Arithmetic follows DESIGN.md §7: per-segment scalars in double, cast to float once; per
 // element fp32 math, state stored in the param dtype or in fp32.
 //
-// Vectorization: the element loops are plain C++ that the compiler vectorizes; the shipped
-// build (no -march) gets runtime ISA dispatch via GCC target_clones on x86-64. sqrt is done in
-// a separate SSE pass over a small L1-resident block, because with -fmath-errno (GCC's default)
-// a sqrt call inside a loop stops the loop from being vectorized.
+// Vectorization: fp32 params with fp32 state (the common case) run one pass of explicit
+// AVX-512 or AVX2 vectors, chosen at run time. The other dtype mixes (bf16/fp16 params, state
+// in the param dtype or fp32) run plain C++ loops that the compiler vectorizes; the shipped
+// build (no -march) gets runtime ISA dispatch for them via GCC target_clones on x86-64. Those
+// loops take a separate sqrt pass over a small L1-resident block, because with -fmath-errno
+// (GCC's default) a sqrt call inside a loop stops the loop from being vectorized.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -35,7 +37,14 @@
 // builds that target a generic x86-64 (setup.py). A build that already targets a newer ISA
 // (the JIT build passes -march=native) compiles the loops for it directly: clones of a lower
 // level than the file's own target could not inline the helpers below.
-#if ZX_X86 && defined(__linux__) && !defined(__AVX2__) && ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 12))
+#if defined(__clang__)
+#define ZX_CLONES_OK (__clang_major__ >= 14)
+#elif defined(__GNUC__)
+#define ZX_CLONES_OK (__GNUC__ >= 12)  // target_clones("arch=...") needs GCC 12
+#else
+#define ZX_CLONES_OK 0
+#endif
+#if ZX_X86 && defined(__linux__) && !defined(__AVX2__) && ZX_CLONES_OK
 #define ZX_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define ZX_CLONES
@@ -46,7 +55,6 @@
 #else
 #define ZX_INLINE static inline
 #endif
-
 
 namespace zero_ext {
 namespace {

@@ -69,7 +69,6 @@ class FusedShardStep:
         for u in self.units:
             by_bucket.setdefault(u.bucket, []).append(u)
         self.group_of_key = {id(u.key): u.group for u in self.units}
-        self.regions = None  # the exchange's regions per chunk, cached by the optimizer
         self._cache: dict | None = None
         self.bounds: dict[int, list[tuple[int, int]]] = {}
         for bi, b in enumerate(opt._buckets):

@@ -130,6 +130,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._add_generation(list(range(len(self._all_params))), initial=True)
         self.optim = optimizer_class(self._local_groups(), **defaults)
         self._stepper: FusedShardStep | None = None  # built at the first fused step
+        self._fused_kernel_usable: bool | None = None
+        self._regions: list | None = None  # the exchange's regions per chunk (overlapped sync)
         self._initialized = True
 
     # ------------------------------------------------------------------ construction
@@ -295,12 +297,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return False  # FusedAdamW's own step is already the fused kernel
         if not all(fused_path_supported(cls, g) for g in self.optim.param_groups):
             return False
-        if self.sharding == layout.PARAM and any(
-                not p.is_contiguous() for p, r in zip(self._all_params, self._owner)
-                if r == self.rank):
-            return False
-        return all(kernels.native_available("fused_adamw_", d)
-                   for d in {p.device for p in self._all_params})
+        if self._fused_kernel_usable is None:
+            # From all params, not this rank's: every rank must take the same path.
+            self._fused_kernel_usable = all(p.is_contiguous() for p in self._all_params) and all(
+                kernels.native_available("fused_adamw_", d)
+                for d in {p.device for p in self._all_params})
+        return self._fused_kernel_usable
 
     def _fused_step(self) -> FusedShardStep:
         if self._stepper is None:
@@ -356,7 +358,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._group_of.extend([gi] * len(group["params"]))
         self._is_trainable_mask = self._trainable_mask()
         self._add_generation(ids, initial=False)
-        self._stepper = None
+        self._stepper, self._regions, self._fused_kernel_usable = None, None, None
         hyper = {k: v for k, v in self.param_groups[gi].items() if k != "params"}
         self.optim.add_param_group({**hyper, "params": self._local_params_of_group(gi)})
 
@@ -396,14 +398,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self.last_step_timings = {"local": t1 - t0, "comm": t2 - t1, "total": t2 - t0}
             return
         # Chunk k of every rank's range goes out as soon as this rank has computed its own.
-        if stepper.regions is None:
-            stepper.regions = self._chunk_regions(stepper)
+        regions = self._chunk_regions()
         pipe = self._exchanger.pipeline()
         comm = [0.0]
 
         def send(k: int) -> None:
             t = time.perf_counter()
-            pipe.send(stepper.regions[k])
+            pipe.send(regions[k])
             comm[0] += time.perf_counter() - t
 
         stepper.run(after_chunk=send)
@@ -414,15 +415,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.last_step_timings = {"local": t1 - t0 - comm[0], "comm": comm[0] + t2 - t1,
                                   "total": t2 - t0}
 
-    def _chunk_regions(self, stepper: FusedShardStep) -> list[list[tuple[torch.Tensor, int]]]:
-        out: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(stepper.chunks)]
-        for bi, b in enumerate(self._buckets):
-            align = kernels.flatten.alignment_elems(b.dtype)
-            for r, (lo, hi) in enumerate(b.rank_ranges):
-                for k, (a, z) in enumerate(chunk_bounds(lo, hi, stepper.chunks, align)):
-                    if z > a:
-                        out[k].append((self._buffers[bi][a:z], r))
-        return out
+    def _chunk_regions(self) -> list[list[tuple[torch.Tensor, int]]]:
+        """(region, owner) per chunk, for every rank's range of every bucket: the order of
+        the overlapped exchange. The generic step sends the same sequence, so ranks agree
+        on the collectives whichever step they took."""
+        if self._regions is None:
+            chunks = self._chunks_per_step()
+            out: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(chunks)]
+            for bi, b in enumerate(self._buckets):
+                align = kernels.flatten.alignment_elems(b.dtype)
+                for r, (lo, hi) in enumerate(b.rank_ranges):
+                    for k, (a, z) in enumerate(chunk_bounds(lo, hi, chunks, align)):
+                        if z > a:
+                            out[k].append((self._buffers[bi][a:z], r))
+            self._regions = out
+        return self._regions
 
     def _generic_step(self, closure, **kwargs):
         if self.sharding == layout.PARAM:
@@ -468,10 +475,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._buckets, self._buffers = [], {}
         for ids in self._generations:
             self._build_generation_buckets(ids)
-        self._stepper = None
+        self._stepper, self._regions = None, None
 
     def _sync_params(self) -> None:
         """Send this rank's updated range of every bucket to all ranks."""
+        if self._overlapped():
+            pipe = self._exchanger.pipeline()
+            for regions in self._chunk_regions():
+                pipe.send(regions)
+            pipe.finish()
+            return
         if self.world_size == 1:
             if self.sharding == layout.FLAT and not self.parameters_as_bucket_view:
                 self._scatter_own_ranges()

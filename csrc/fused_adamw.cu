@@ -16,6 +16,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "fused_adamw_common.h"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -28,13 +30,16 @@
 namespace zero_ext {
 namespace {
 
-constexpr int kCols = 7;  // lr, beta1, beta2, eps, weight_decay, amsgrad, maximize
+using adamw::kCols;
 constexpr int kThreads = 256;
 constexpr int kVec = 4;
 constexpr int64_t kChunk = int64_t(kThreads) * kVec * 8;  // elements per block
 constexpr int64_t kMaxBlocksPerLaunch = 2147483647;      // gridDim.x limit
 
-enum Kind : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+using adamw::kF32;
+using adamw::kBF16;
+using adamw::kF16;
+using adamw::kind_of;
 enum Flag : int { kAms = 1 << 4, kAligned = 1 << 5 };
 
 struct Scalars {  // float scalars of one segment (see make_scalars)
@@ -223,15 +228,6 @@ fused_adamw_kernel(const uint8_t* __restrict__ meta, int64_t group_off, int64_t 
 }
 
 // ---- host side ---------------------------------------------------------------------------
-int kind_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return kF32;
-    case at::kBFloat16: return kBF16;
-    case at::kHalf: return kF16;
-    default: return -1;
-  }
-}
-
 inline bool aligned_to(const void* ptr, int64_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % uintptr_t(bytes) == 0;
 }
@@ -320,40 +316,9 @@ void fused_adamw_cuda(const TensorListRef& params, const TensorListRef& grads,
                 " is out of range for ", G, " groups");
     const double* h = hp + gi * kCols;
     const bool ams = h[5] != 0.0;
-    TORCH_CHECK(p.defined() && g.defined() && m.defined() && v.defined(),
-                "fused_adamw_: segment ", i, " has an undefined tensor");
+    void* vmax_ptr = adamw::check_segment(i, p, g, m, v, max_exp_avg_sqs, gi, ams, dev);
     const int pk = kind_of(p.scalar_type());
-    TORCH_CHECK(pk >= 0, "fused_adamw_: params[", i, "] has dtype ", p.scalar_type(),
-                "; supported: float32, bfloat16, float16");
-    TORCH_CHECK(g.scalar_type() == p.scalar_type(), "fused_adamw_: grads[", i,
-                "] has dtype ", g.scalar_type(), " but params[", i, "] has ", p.scalar_type());
-    TORCH_CHECK(m.scalar_type() == v.scalar_type() &&
-                    (m.scalar_type() == p.scalar_type() || m.scalar_type() == at::kFloat),
-                "fused_adamw_: exp_avgs[", i, "] and exp_avg_sqs[", i,
-                "] must both have the param's dtype (", p.scalar_type(), ") or float32, got ",
-                m.scalar_type(), " and ", v.scalar_type());
     const int64_t n = p.numel();
-    TORCH_CHECK(g.numel() == n && m.numel() == n && v.numel() == n, "fused_adamw_: segment ",
-                i, " has mismatched numel: param ", n, ", grad ", g.numel(), ", exp_avg ",
-                m.numel(), ", exp_avg_sq ", v.numel());
-    TORCH_CHECK(p.is_contiguous() && g.is_contiguous() && m.is_contiguous() &&
-                    v.is_contiguous(),
-                "fused_adamw_: segment ", i, " has a non-contiguous tensor (the Python "
-                "wrapper zero_ext.kernels.fused_adamw_ accepts those)");
-    TORCH_CHECK(p.device() == dev && g.device() == dev && m.device() == dev &&
-                    v.device() == dev,
-                "fused_adamw_ (CUDA): segment ", i, " has a tensor that is not on ", dev);
-    void* vmax_ptr = nullptr;
-    if (ams) {
-      TORCH_CHECK(!max_exp_avg_sqs.empty(), "fused_adamw_: group ", gi,
-                  " uses amsgrad but max_exp_avg_sqs is empty");
-      const at::Tensor& x = max_exp_avg_sqs.get(i);
-      TORCH_CHECK(x.defined() && x.numel() == n && x.scalar_type() == m.scalar_type() &&
-                      x.is_contiguous() && x.device() == dev,
-                  "fused_adamw_: max_exp_avg_sqs[", i, "] must be a contiguous tensor on ",
-                  dev, " with ", n, " elements of dtype ", m.scalar_type());
-      vmax_ptr = x.data_ptr();
-    }
     if (n == 0) continue;
     const int sk = kind_of(m.scalar_type());
     SegMeta s;

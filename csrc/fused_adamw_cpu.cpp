@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "fused_adamw_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -59,11 +61,14 @@
 namespace zero_ext {
 namespace {
 
-constexpr int kCols = 7;  // lr, beta1, beta2, eps, weight_decay, amsgrad, maximize
+using adamw::kCols;
 constexpr int64_t kBlock = 512;  // elements per inner block (temporaries stay in L1)
 constexpr int64_t kGrain = 32768;  // below this many elements in total: one thread
 
-enum Kind : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+using adamw::kF32;
+using adamw::kBF16;
+using adamw::kF16;
+using adamw::kind_of;
 
 // ---- element conversions (inline, branch-free, so loops vectorize) -----------------------
 struct bf16_t { uint16_t x; };
@@ -363,15 +368,6 @@ static KernelFn pick_kernel(int pkind, int skind, bool ams) {
 }
 
 // ---- host side: validation and scalars -------------------------------------------------
-static int kind_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return kF32;
-    case at::kBFloat16: return kBF16;
-    case at::kHalf: return kF16;
-    default: return -1;
-  }
-}
-
 static Scalars make_scalars(const double* h, double step, double grad_scale) {
   const double lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4];
   const bool maximize = h[6] != 0.0;
@@ -472,40 +468,10 @@ void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
                 " is out of range for ", G, " groups");
     const double* h = hp + gi * kCols;
     const bool ams = h[5] != 0.0;
-    TORCH_CHECK(p.defined() && g.defined() && m.defined() && v.defined(),
-                "fused_adamw_: segment ", i, " has an undefined tensor");
+    void* vmax_ptr =
+        adamw::check_segment(i, p, g, m, v, max_exp_avg_sqs, gi, ams, at::Device(at::kCPU));
     const int pk = kind_of(p.scalar_type());
-    TORCH_CHECK(pk >= 0, "fused_adamw_: params[", i, "] has dtype ", p.scalar_type(),
-                "; supported: float32, bfloat16, float16");
-    TORCH_CHECK(g.scalar_type() == p.scalar_type(), "fused_adamw_: grads[", i,
-                "] has dtype ", g.scalar_type(), " but params[", i, "] has ", p.scalar_type());
-    TORCH_CHECK(m.scalar_type() == v.scalar_type() &&
-                    (m.scalar_type() == p.scalar_type() || m.scalar_type() == at::kFloat),
-                "fused_adamw_: exp_avgs[", i, "] and exp_avg_sqs[", i,
-                "] must both have the param's dtype (", p.scalar_type(), ") or float32, got ",
-                m.scalar_type(), " and ", v.scalar_type());
     const int64_t n = p.numel();
-    TORCH_CHECK(g.numel() == n && m.numel() == n && v.numel() == n, "fused_adamw_: segment ",
-                i, " has mismatched numel: param ", n, ", grad ", g.numel(), ", exp_avg ",
-                m.numel(), ", exp_avg_sq ", v.numel());
-    TORCH_CHECK(p.is_contiguous() && g.is_contiguous() && m.is_contiguous() &&
-                    v.is_contiguous(),
-                "fused_adamw_: segment ", i, " has a non-contiguous tensor (the Python "
-                "wrapper zero_ext.kernels.fused_adamw_ accepts those)");
-    TORCH_CHECK(p.device().is_cpu() && g.device().is_cpu() && m.device().is_cpu() &&
-                    v.device().is_cpu(),
-                "fused_adamw_ (CPU): segment ", i, " has a tensor that is not on the CPU");
-    void* vmax_ptr = nullptr;
-    if (ams) {
-      TORCH_CHECK(!max_exp_avg_sqs.empty(), "fused_adamw_: group ", gi,
-                  " uses amsgrad but max_exp_avg_sqs is empty");
-      const at::Tensor& x = max_exp_avg_sqs.get(i);
-      TORCH_CHECK(x.defined() && x.numel() == n && x.scalar_type() == m.scalar_type() &&
-                      x.is_contiguous() && x.device().is_cpu(),
-                  "fused_adamw_: max_exp_avg_sqs[", i, "] must be a contiguous CPU tensor "
-                  "with ", n, " elements of dtype ", m.scalar_type());
-      vmax_ptr = x.data_ptr();
-    }
     if (n == 0) continue;
     Segment s;
     s.p = p.data_ptr();

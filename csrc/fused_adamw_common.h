@@ -1,0 +1,62 @@
+// Host-side pieces shared by the CPU (fused_adamw_cpu.cpp) and CUDA (fused_adamw.cu)
+// kernels of zero_ext::fused_adamw_: the group table's layout, the dtype kinds the kernels
+// cover, and the checks of one segment (run for every segment before anything is written).
+#pragma once
+#include <ATen/ATen.h>
+
+namespace zero_ext {
+namespace adamw {
+
+constexpr int kCols = 7;  // lr, beta1, beta2, eps, weight_decay, amsgrad, maximize
+enum Kind : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+inline int kind_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kF32;
+    case at::kBFloat16: return kBF16;
+    case at::kHalf: return kF16;
+    default: return -1;
+  }
+}
+
+// Checks segment i (param p, grad g, moments m and v, and its max_exp_avg_sq when the group
+// uses amsgrad) and returns the max_exp_avg_sq data pointer, or nullptr without amsgrad.
+inline void* check_segment(int64_t i, const at::Tensor& p, const at::Tensor& g,
+                           const at::Tensor& m, const at::Tensor& v,
+                           const c10::List<at::Tensor>& max_exp_avg_sqs, int64_t group,
+                           bool amsgrad, const at::Device& device) {
+  TORCH_CHECK(p.defined() && g.defined() && m.defined() && v.defined(),
+              "fused_adamw_: segment ", i, " has an undefined tensor");
+  TORCH_CHECK(kind_of(p.scalar_type()) >= 0, "fused_adamw_: params[", i, "] has dtype ",
+              p.scalar_type(), "; supported: float32, bfloat16, float16");
+  TORCH_CHECK(g.scalar_type() == p.scalar_type(), "fused_adamw_: grads[", i,
+              "] has dtype ", g.scalar_type(), " but params[", i, "] has ", p.scalar_type());
+  TORCH_CHECK(m.scalar_type() == v.scalar_type() &&
+                  (m.scalar_type() == p.scalar_type() || m.scalar_type() == at::kFloat),
+              "fused_adamw_: exp_avgs[", i, "] and exp_avg_sqs[", i,
+              "] must both have the param's dtype (", p.scalar_type(), ") or float32, got ",
+              m.scalar_type(), " and ", v.scalar_type());
+  const int64_t n = p.numel();
+  TORCH_CHECK(g.numel() == n && m.numel() == n && v.numel() == n, "fused_adamw_: segment ",
+              i, " has mismatched numel: param ", n, ", grad ", g.numel(), ", exp_avg ",
+              m.numel(), ", exp_avg_sq ", v.numel());
+  TORCH_CHECK(p.is_contiguous() && g.is_contiguous() && m.is_contiguous() &&
+                  v.is_contiguous(),
+              "fused_adamw_: segment ", i, " has a non-contiguous tensor (the Python "
+              "wrapper zero_ext.kernels.fused_adamw_ accepts those)");
+  TORCH_CHECK(p.device() == device && g.device() == device && m.device() == device &&
+                  v.device() == device,
+              "fused_adamw_: segment ", i, " has a tensor that is not on ", device);
+  if (!amsgrad) return nullptr;
+  TORCH_CHECK(!max_exp_avg_sqs.empty(), "fused_adamw_: group ", group,
+              " uses amsgrad but max_exp_avg_sqs is empty");
+  const at::Tensor& x = max_exp_avg_sqs.get(i);
+  TORCH_CHECK(x.defined() && x.numel() == n && x.scalar_type() == m.scalar_type() &&
+                  x.is_contiguous() && x.device() == device,
+              "fused_adamw_: max_exp_avg_sqs[", i, "] must be a contiguous tensor on ",
+              device, " with ", n, " elements of dtype ", m.scalar_type());
+  return x.data_ptr();
+}
+
+}  // namespace adamw
+}  // namespace zero_ext

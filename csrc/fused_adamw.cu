@@ -244,9 +244,7 @@ void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name,
               " must be on ", dev, " (or the CPU), got ", t->device());
 }
 
-// Lists as c10::List, read by reference: at::TensorList would make the dispatcher copy each
-// list into a std::vector first (a measurable host cost at tens of thousands of tensors).
-using TensorListRef = c10::List<at::Tensor>;
+using adamw::TensorListRef;
 
 void fused_adamw_cuda(const TensorListRef& params, const TensorListRef& grads,
                       const TensorListRef& exp_avgs, const TensorListRef& exp_avg_sqs,
@@ -255,16 +253,8 @@ void fused_adamw_cuda(const TensorListRef& params, const TensorListRef& grads,
                       const at::Tensor& group_hparams,
                       const std::optional<at::Tensor>& grad_scale,
                       const std::optional<at::Tensor>& found_inf) {
-  const int64_t S = static_cast<int64_t>(params.size());
-  TORCH_CHECK(static_cast<int64_t>(grads.size()) == S &&
-                  static_cast<int64_t>(exp_avgs.size()) == S &&
-                  static_cast<int64_t>(exp_avg_sqs.size()) == S,
-              "fused_adamw_: params, grads, exp_avgs and exp_avg_sqs must have the same "
-              "length, got ", S, ", ", grads.size(), ", ", exp_avgs.size(), ", ",
-              exp_avg_sqs.size());
-  TORCH_CHECK(max_exp_avg_sqs.empty() || static_cast<int64_t>(max_exp_avg_sqs.size()) == S,
-              "fused_adamw_: max_exp_avg_sqs must be empty or have one entry per segment (",
-              S, "), got ", max_exp_avg_sqs.size());
+  const int64_t S =
+      adamw::check_list_lengths(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs);
   TORCH_CHECK(S < (int64_t(1) << 31), "fused_adamw_: too many segments (", S, ")");
   if (S == 0) return;
   const at::Device dev = params.get(0).device();

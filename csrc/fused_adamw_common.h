@@ -7,6 +7,11 @@
 namespace zero_ext {
 namespace adamw {
 
+// Lists as c10::List, read by reference: an at::TensorList parameter would make the
+// dispatcher copy every list into a std::vector first (a measurable host cost at tens of
+// thousands of tensors per call).
+using TensorListRef = c10::List<at::Tensor>;
+
 constexpr int kCols = 7;  // lr, beta1, beta2, eps, weight_decay, amsgrad, maximize
 enum Kind : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
@@ -19,11 +24,29 @@ inline int kind_of(at::ScalarType t) {
   }
 }
 
+// The four lists have one entry per segment; max_exp_avg_sqs one too, or none.
+inline int64_t check_list_lengths(const TensorListRef& params, const TensorListRef& grads,
+                                  const TensorListRef& exp_avgs,
+                                  const TensorListRef& exp_avg_sqs,
+                                  const TensorListRef& max_exp_avg_sqs) {
+  const int64_t S = static_cast<int64_t>(params.size());
+  TORCH_CHECK(static_cast<int64_t>(grads.size()) == S &&
+                  static_cast<int64_t>(exp_avgs.size()) == S &&
+                  static_cast<int64_t>(exp_avg_sqs.size()) == S,
+              "fused_adamw_: params, grads, exp_avgs and exp_avg_sqs must have the same "
+              "length, got ", S, ", ", grads.size(), ", ", exp_avgs.size(), ", ",
+              exp_avg_sqs.size());
+  TORCH_CHECK(max_exp_avg_sqs.empty() || static_cast<int64_t>(max_exp_avg_sqs.size()) == S,
+              "fused_adamw_: max_exp_avg_sqs must be empty or have one entry per segment (",
+              S, "), got ", max_exp_avg_sqs.size());
+  return S;
+}
+
 // Checks segment i (param p, grad g, moments m and v, and its max_exp_avg_sq when the group
 // uses amsgrad) and returns the max_exp_avg_sq data pointer, or nullptr without amsgrad.
 inline void* check_segment(int64_t i, const at::Tensor& p, const at::Tensor& g,
                            const at::Tensor& m, const at::Tensor& v,
-                           const c10::List<at::Tensor>& max_exp_avg_sqs, int64_t group,
+                           const TensorListRef& max_exp_avg_sqs, int64_t group,
                            bool amsgrad, const at::Device& device) {
   TORCH_CHECK(p.defined() && g.defined() && m.defined() && v.defined(),
               "fused_adamw_: segment ", i, " has an undefined tensor");

@@ -397,10 +397,7 @@ static void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* 
               " must be on the CPU, got ", t->device());
 }
 
-// The lists are taken as c10::List (shared with the boxed call, elements read by reference):
-// an at::TensorList parameter would make the dispatcher copy every list into a std::vector
-// first, a measurable cost at tens of thousands of tensors per call.
-using TensorListRef = c10::List<at::Tensor>;
+using adamw::TensorListRef;
 
 void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
                      const TensorListRef& exp_avgs, const TensorListRef& exp_avg_sqs,
@@ -409,16 +406,8 @@ void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
                      const at::Tensor& group_hparams,
                      const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf) {
-  const int64_t S = static_cast<int64_t>(params.size());
-  TORCH_CHECK(static_cast<int64_t>(grads.size()) == S &&
-                  static_cast<int64_t>(exp_avgs.size()) == S &&
-                  static_cast<int64_t>(exp_avg_sqs.size()) == S,
-              "fused_adamw_: params, grads, exp_avgs and exp_avg_sqs must have the same "
-              "length, got ", S, ", ", grads.size(), ", ", exp_avgs.size(), ", ",
-              exp_avg_sqs.size());
-  TORCH_CHECK(max_exp_avg_sqs.empty() || static_cast<int64_t>(max_exp_avg_sqs.size()) == S,
-              "fused_adamw_: max_exp_avg_sqs must be empty or have one entry per segment (",
-              S, "), got ", max_exp_avg_sqs.size());
+  const int64_t S =
+      adamw::check_list_lengths(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs);
   TORCH_CHECK(steps.scalar_type() == at::kFloat && steps.dim() == 1 && steps.numel() == S,
               "fused_adamw_: steps must be a float32 tensor of shape [", S, "], got ",
               steps.scalar_type(), " ", steps.sizes());

@@ -172,11 +172,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return layout.PARAM
         numels = [p.numel() for p in self._all_params]
         owners = layout.assign_owners(numels, self._group_of, self.world_size)
-        loads = [0] * self.world_size
-        for n, r in zip(numels, owners):
-            loads[r] += n
-        mean = sum(loads) / self.world_size
-        ratio = max(loads) / mean if mean else 1.0
+        ratio = kernels.partition.max_over_mean(
+            kernels.partition.rank_loads(numels, owners, self.world_size))
         choice = layout.FLAT if ratio > AUTO_FLAT_THRESHOLD else layout.PARAM
         logger.info("zero_ext: sharding='auto' chose %r (whole-param max/mean load %.3f, "
                     "threshold %.2f)", choice, ratio, AUTO_FLAT_THRESHOLD)
@@ -199,10 +196,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._build_generation_buckets(ids)
 
     def _rank_loads(self) -> list[int]:
-        loads = [0] * self.world_size
-        for p, r in zip(self._all_params, self._owner):
-            loads[r] += p.numel()
-        return loads
+        return kernels.partition.rank_loads([p.numel() for p in self._all_params],
+                                            self._owner, self.world_size)
 
     def _build_generation_buckets(self, ids: list[int]) -> None:
         params = self._all_params
@@ -237,12 +232,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 p.data = buf[off:off + n].view_as(p)
             self._buffers[bi] = buf
         else:  # flat mode, no views: a private copy of this rank's range only
-            lo, hi = b.rank_ranges[self.rank]
-            buf = torch.zeros(hi - lo, dtype=b.dtype, device=b.device)
-            pieces = b.pieces(self.rank)
-            kernels.flatten_into([self._piece_view(pc) for pc in pieces], buf,
-                                 [pc.bucket_start - lo for pc in pieces])
-            self._buffers[bi] = buf
+            self._buffers[bi] = self._pack_range(b, self.rank, torch.zeros)
 
     def _my_range_storage(self, bi: int) -> torch.Tensor:
         b = self._buckets[bi]
@@ -503,11 +493,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 elif self.sharding == layout.FLAT:
                     regions.append(self._buffers[bi])
                 else:
-                    mine = torch.empty(hi - lo, dtype=b.dtype, device=b.device)
-                    pieces = b.pieces(r)
-                    kernels.flatten_into([self._piece_view(pc) for pc in pieces], mine,
-                                         [pc.bucket_start - lo for pc in pieces])
-                    regions.append(mine)
+                    regions.append(self._pack_range(b, r, torch.empty))
             works += self._exchanger.exchange(regions)
             received.append((b, regions))
         wait_all(works)
@@ -515,17 +501,28 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             for r, region in enumerate(regions):
                 if r == self.rank and self.sharding == layout.PARAM:
                     continue  # the params themselves were updated
-                lo = b.rank_ranges[r][0]
-                pieces = b.pieces(r)
-                kernels.unflatten_from(region, [self._piece_view(pc) for pc in pieces],
-                                       [pc.bucket_start - lo for pc in pieces])
+                self._unpack_range(b, r, region)
 
     def _scatter_own_ranges(self) -> None:
         for bi, b in enumerate(self._buckets):
-            lo = b.rank_ranges[self.rank][0]
-            pieces = b.pieces(self.rank)
-            kernels.unflatten_from(self._buffers[bi], [self._piece_view(pc) for pc in pieces],
-                                   [pc.bucket_start - lo for pc in pieces])
+            self._unpack_range(b, self.rank, self._buffers[bi])
+
+    def _pack_range(self, b: layout.Bucket, r: int, alloc) -> torch.Tensor:
+        """Rank r's range of bucket b gathered from the params into a new tensor (`alloc`
+        is torch.empty or torch.zeros: whether the padding must be deterministic)."""
+        lo, hi = b.rank_ranges[r]
+        out = alloc(hi - lo, dtype=b.dtype, device=b.device)
+        pieces = b.pieces(r)
+        kernels.flatten_into([self._piece_view(pc) for pc in pieces], out,
+                             [pc.bucket_start - lo for pc in pieces])
+        return out
+
+    def _unpack_range(self, b: layout.Bucket, r: int, region: torch.Tensor) -> None:
+        """Copy rank r's range of bucket b (`region`) back into the params' elements."""
+        lo = b.rank_ranges[r][0]
+        pieces = b.pieces(r)
+        kernels.unflatten_from(region, [self._piece_view(pc) for pc in pieces],
+                               [pc.bucket_start - lo for pc in pieces])
 
     # ------------------------------------------------------------------ join
 

@@ -543,3 +543,67 @@ def gloo_available() -> bool:
 
 
 WORLD_SIZES = (1, 2, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers for the contract tests (tests/test_real_use.py, tests/test_contract_harness.py)
+
+
+def fresh_grads(params, step: int, seed: int = 0, skip=None):
+    """Like ``fake_grads``, but a frozen param (requires_grad False) KEEPS whatever .grad it
+    has (None or a stale one), as after a real backward: torch optimizers still step it."""
+    import torch
+
+    for i, p in enumerate(params):
+        if not p.requires_grad:
+            continue
+        if skip is not None and skip(i, step):
+            p.grad = None
+            continue
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + i)
+        if p.dtype.is_complex:
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        else:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def torch_rule_max_load(group_sizes, world_size: int) -> int:
+    """Largest per-rank load (in elements) of torch's ZeroRedundancyOptimizer partition:
+    group by group, params sorted by size (largest first), each to the least loaded rank."""
+    loads = [0] * world_size
+    for sizes in group_sizes:
+        for n in sorted(sizes, reverse=True):
+            r = min(range(world_size), key=lambda k: loads[k])
+            loads[r] += n
+    return max(loads)
+
+
+def store_allgather(store, key: str, rank: int, world_size: int, value,
+                    timeout_s: float = GROUP_TIMEOUT_S) -> list:
+    """Every rank's picklable ``value`` through the rendezvous store, independent of any
+    process group (usable after a collective went wrong). ``key`` must be unique per call."""
+    store.set(f"{key}/{rank}", pickle.dumps(value))
+    out = []
+    deadline = time.monotonic() + timeout_s
+    for r in range(world_size):
+        k = f"{key}/{r}"
+        while True:
+            if store.check([k]):
+                out.append(pickle.loads(store.get(k)))
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"harness: rank {r} never published {key!r}")
+            time.sleep(0.002)
+    return out
+
+
+def run_specs(world_size: int, fn: Callable, specs: list, timeout: float = DEFAULT_TIMEOUT_S,
+              prefix: str = "spec") -> ScenarioResults:
+    """Run ``fn(spec, ctx)`` for every (picklable) spec in ONE world of ``world_size`` ranks,
+    each as its own scenario (fresh process group, store barrier in between), named
+    ``f"{prefix}{i}"``. ``fn`` must be a module-level function."""
+    import functools
+
+    names = [f"{prefix}{i}" for i in range(len(specs))]
+    job = ("scenarios", [(n, functools.partial(fn, s), False) for n, s in zip(names, specs)])
+    return ScenarioResults(_launch(world_size, job, timeout), names)

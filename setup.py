@@ -105,7 +105,10 @@ setup(
     description="A faster, balanced drop-in for torch.distributed.optim.ZeroRedundancyOptimizer",
     packages=["zero_ext", "zero_ext.kernels"],
     python_requires=">=3.9",
-    install_requires=["torch"],
+    # Same lists as requirements.txt / requirements-test.txt, without the torch pin (any
+    # recent torch; the compiled ops are built against the one installed).
+    install_requires=["torch", "numpy", "ninja"],
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"]},
     ext_modules=_extensions(),
     cmdclass=_cmdclass(),
     zip_safe=False,

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from .agree import agree
+
 if TYPE_CHECKING:  # pragma: no cover
     from .zero import ZeroRedundancyOptimizer
 
@@ -82,19 +84,7 @@ def _ranges(start: int, end: int, chunk: int):
 
 def _agree(opt, error: BaseException | None, what: str) -> None:
     """Every rank learns whether any rank failed (one small collective), and raises."""
-    if opt.world_size == 1 or opt.process_group is None:
-        if error is not None:
-            raise error
-        return
-    mine = None if error is None else (type(error).__name__, str(error))
-    everyone: list = [None] * opt.world_size
-    dist.all_gather_object(everyone, mine, group=opt.process_group)
-    if error is not None:
-        raise error
-    for r, e in enumerate(everyone):
-        if e is not None:
-            cls = ValueError if e[0] == "ValueError" else RuntimeError
-            raise cls(f"{what}: rank {r} failed ({e[0]}: {e[1]}); every rank stops here")
+    agree(opt.process_group, opt.world_size, error, what)
 
 
 class _quiet_single_process(warnings.catch_warnings):
@@ -321,6 +311,15 @@ def _mismatches(opt, meta: dict) -> list[str]:
         if _dtype(dt) != p.dtype:
             out.append(f"{where}: dtype {_dtype(dt)} in the checkpoint, {p.dtype} in the "
                        "optimizer")
+    from .state import state_problems
+
+    for pid, s in meta["state"].items():
+        numels = {name: sum(n for _, n, _ in spans) for name, spans in s["elems"].items()}
+        for name, (_, shape) in s["wholes"].items():
+            numels[name] = 1
+            for d in shape:
+                numels[name] *= d
+        out += state_problems(opt, pid, s["order"], numels)
     if opt.sharding == "flat":
         for pid, s in meta["state"].items():
             if s["wholes"]:

@@ -56,9 +56,6 @@ class Bucket:
             self._pieces[rank] = out
         return self._pieces[rank]
 
-    def rank_numel(self, rank: int) -> int:
-        lo, hi = self.rank_ranges[rank]
-        return hi - lo
 
 
 def _group_by_key(params: list[torch.Tensor], ids: list[int]) -> dict:
@@ -119,3 +116,53 @@ def extend_owners(loads: list[int], numels: list[int]) -> list[int]:
         out[i] = r
         loads[r] += numels[i]
     return out
+
+
+def _extent(p: torch.Tensor) -> int:
+    """Elements from the first to one past the last element of `p` in its storage."""
+    if p.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))
+
+
+def find_aliases(params: list[torch.Tensor]) -> dict[int, int]:
+    """Params that are distinct objects over the same memory (the old tying idiom
+    ``head.weight.data = emb.weight.data``): {index: index of the first such param}.
+
+    A torch optimizer steps each of them, both updates landing in the one storage; we can
+    reproduce that only if one rank steps all of them. Views of one storage that overlap
+    without being identical cannot be sharded at all: ValueError.
+    """
+    by_storage: dict = {}
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        s = p.untyped_storage()
+        by_storage.setdefault((p.device, s.data_ptr()), []).append(i)
+    aliases: dict[int, int] = {}
+    for ids in by_storage.values():
+        if len(ids) < 2:
+            continue
+        spans = []
+        for i in ids:
+            p = params[i]
+            lo = p.storage_offset() * p.element_size()
+            spans.append((lo, lo + _extent(p) * p.element_size(), i))
+        spans.sort()
+        for (lo_a, hi_a, a), (lo_b, hi_b, b) in zip(spans, spans[1:]):
+            pa, pb = params[a], params[b]
+            if lo_b >= hi_a:
+                continue  # disjoint parts of one buffer (e.g. bucket views): fine
+            same = (lo_a == lo_b and pa.shape == pb.shape and pa.stride() == pb.stride()
+                    and pa.dtype == pb.dtype)
+            if not same:
+                raise ValueError(
+                    f"parameters {a} and {b} overlap in memory without being the same "
+                    "tensor; a sharded optimizer cannot update them consistently. Tie "
+                    "weights by sharing one Parameter (`head.weight = emb.weight`).")
+            first = min(a, b, aliases.get(a, a), aliases.get(b, b))
+            aliases[max(a, b)] = first
+    # point every member at the first of its set
+    for i in sorted(aliases):
+        aliases[i] = aliases.get(aliases[i], aliases[i])
+    return aliases

@@ -34,11 +34,18 @@ def share_units(opt) -> list[Unit]:
     """Every unit of this rank's share, in bucket order."""
     units = []
     if opt.sharding == layout.PARAM:
+        placed = set()
         for bi, b in enumerate(opt._buckets):
             for pc in b.pieces(opt.rank):
                 p = opt._all_params[pc.param_id]
+                placed.add(pc.param_id)
                 units.append(Unit(p, 0, pc.length, bi, pc.bucket_start, pc.param_id, 0,
                                   opt._group_of[pc.param_id]))
+        # Owned params outside the buckets (frozen ones, with bucket views) still step
+        # when they hold a grad, as in torch; they go with the last chunk.
+        for pid, (p, r) in enumerate(zip(opt._all_params, opt._owner)):
+            if r == opt.rank and pid not in placed and p.numel() > 0:
+                units.append(Unit(p, 0, p.numel(), -1, 0, pid, 0, opt._group_of[pid]))
         return units
     for sh in opt._shards:
         for run in sh["runs"]:
@@ -71,6 +78,8 @@ class FusedShardStep:
         self.group_of_key = {id(u.key): u.group for u in self.units}
         self._cache: dict | None = None
         self.bounds: dict[int, list[tuple[int, int]]] = {}
+        for u in by_bucket.get(-1, []):
+            self.plan[-1].append((u, 0, u.length))
         for bi, b in enumerate(opt._buckets):
             lo, hi = b.rank_ranges[opt.rank]
             self.bounds[bi] = bounds = chunk_bounds(lo, hi, chunks,
@@ -100,10 +109,12 @@ class FusedShardStep:
         self._cache = None
 
     def _views(self, amsgrad: list[bool], stepping: set[int] | None) -> dict:
-        """Views of params and state per chunk for the local params that step (`stepping`:
-        ids of their keys; None = all). Cached while every local param steps (the common
-        case), so a step costs one Python pass over the segments, not six view() calls
-        each, and one _foreach_add_ for all the steps."""
+        """Views of params and state per (chunk, device) for the local params that step
+        (`stepping`: ids of their keys; None = all). Cached while every local param steps
+        (the common case), so a step costs one Python pass over the segments, not six
+        view() calls each, and one _foreach_add_ for all the steps. Step VALUES are never
+        cached: they are read from the state's step tensors at every step, so a step taken
+        by another path (step kwargs, the generic optimizer) is always counted."""
         keys: dict[int, torch.Tensor] = {}
         for u in self.units:
             if stepping is None or id(u.key) in stepping:
@@ -113,10 +124,13 @@ class FusedShardStep:
                   for kid, k in keys.items()]
         chunks = []
         for segs in self.plan:
-            c = {"ps": [], "ms": [], "vs": [], "xs": [], "grad_src": [], "key": [], "grp": []}
+            by_device: dict = {}
             for u, a, n in segs:
                 if id(u.key) not in key_index:
                     continue
+                c = by_device.setdefault(u.key.device, {
+                    "ps": [], "ms": [], "vs": [], "xs": [], "grad_src": [], "key": [],
+                    "grp": []})
                 st = states[key_index[id(u.key)]]
                 o = u.key_offset + a
                 c["ps"].append(u.key.detach().view(-1)[o:o + n])
@@ -127,11 +141,12 @@ class FusedShardStep:
                 c["grad_src"].append((u.param_id, u.param_start + a, n))
                 c["key"].append(key_index[id(u.key)])
                 c["grp"].append(u.group)
-            c["grp"] = torch.tensor(c["grp"], dtype=torch.int64)
-            chunks.append(c)
+            for c in by_device.values():
+                c["grp"] = torch.tensor(c["grp"], dtype=torch.int64)
+                c["key"] = torch.tensor(c["key"], dtype=torch.int64)
+            chunks.append(list(by_device.values()))
         return {"amsgrad": list(amsgrad), "chunks": chunks,
-                "steps": [st["step"] for st in states],
-                "step_values": [float(st["step"]) for st in states]}
+                "steps": [st["step"] for st in states]}
 
     def run(self, after_chunk=None) -> None:
         """One step; `after_chunk(k)` is called once chunk k's params are final. Local
@@ -147,20 +162,22 @@ class FusedShardStep:
             self._cache = None
             views = self._views(amsgrad, {id(u.key) for u in self.units
                                           if params[u.param_id].grad is not None})
-        if views["steps"]:
-            torch._foreach_add_(views["steps"], 1.0)
-        values = views["step_values"] = [v + 1.0 for v in views["step_values"]]
+        steps = views["steps"]
+        if steps:
+            torch._foreach_add_(steps, 1.0)
+            # one float32 vector of every stepping key's count, gathered on the CPU
+            values = torch.stack([t.detach().to("cpu", torch.float32).reshape(())
+                                  for t in steps])
         table = group_hparams_table(opt.optim.param_groups)
         any_amsgrad = any(amsgrad)
-        for k, c in enumerate(views["chunks"]):
-            if c["ps"]:
+        for k, calls in enumerate(views["chunks"]):
+            for c in calls:  # one kernel call per device
                 gs = []
                 for pid, a, n in c["grad_src"]:
                     g = params[pid].grad
                     gs.append((g.view(-1) if g.is_contiguous() else g.reshape(-1))[a:a + n])
                 kernels.fused_adamw_(c["ps"], gs, c["ms"], c["vs"],
                                      c["xs"] if any_amsgrad else [],
-                                     torch.tensor([values[i] for i in c["key"]],
-                                                  dtype=torch.float32), c["grp"], table)
+                                     values.index_select(0, c["key"]), c["grp"], table)
             if after_chunk is not None:
                 after_chunk(k)

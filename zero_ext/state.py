@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import layout
+from .agree import agree
 from .sync import wire_view
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -374,9 +375,52 @@ def install(opt: "ZeroRedundancyOptimizer", saved_groups: list[dict],
         local_groups.append({**hyper, "params": list(range(idx, idx + len(keys)))})
         idx += len(keys)
     opt.optim.load_state_dict({"state": local_states, "param_groups": local_groups})
+    opt._has_state = True  # the partition is now fixed (state exists)
     stepper = getattr(opt, "_stepper", None)
     if stepper is not None and hasattr(stepper, "reset"):
         stepper.reset()
+
+
+_ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def required_state_keys(optimizer_class: type, group: dict) -> tuple[str, ...]:
+    """Per-param state keys without which `optimizer_class` cannot step (its own
+    load_state_dict accepts anything and fails only at the next step). Empty when unknown:
+    SGD, for one, starts a missing momentum buffer afresh, as torch does."""
+    from .fused_adamw import FusedAdamW
+
+    if isinstance(optimizer_class, type) and issubclass(
+            optimizer_class, (torch.optim.Adam, torch.optim.AdamW, FusedAdamW)):
+        return _ADAM_KEYS + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+    return ()
+
+
+def state_problems(opt: "ZeroRedundancyOptimizer", pid: int, names, numels: dict) -> list[str]:
+    """What is wrong with the saved state of global param `pid` for this optimizer:
+    `names` are its state keys, `numels` the element count of each tensor-valued key."""
+    p = opt._all_params[pid]
+    gi = opt._group_of[pid]
+    out = []
+    names = set(names)
+    if names:
+        missing = [k for k in required_state_keys(opt._optimizer_class, opt.param_groups[gi])
+                   if k not in names]
+        if missing:
+            out.append(f"param {pid} (group {gi}) has state {sorted(names)} but "
+                       f"{opt._optimizer_class.__name__} needs {missing} (saved by another "
+                       "optimizer class, or with other settings such as amsgrad?)")
+    for k in required_state_keys(opt._optimizer_class, opt.param_groups[gi]):
+        n = numels.get(k)
+        if k != "step" and n is not None and n != p.numel():
+            out.append(f"param {pid} (group {gi}): state {k!r} has {n} elements, the param "
+                       f"has {p.numel()} (shape {tuple(p.shape)})")
+    if opt.sharding == layout.FLAT:
+        for k, n in numels.items():
+            if k not in _ADAM_KEYS and n is not None and n > 1 and n != p.numel():
+                out.append(f"param {pid}: state {k!r} has {n} elements, the param has "
+                           f"{p.numel()}; sharding='flat' can only split per-element state")
+    return out
 
 
 def _check_and_map(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> dict[int, dict]:
@@ -397,35 +441,47 @@ def _check_and_map(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> dict[int
         for sid in sg["params"]:
             id_map[sid] = pid
             pid += 1
-    mapped = {}
+    mapped, problems = {}, []
     for sid, st in state_dict["state"].items():
         if sid not in id_map:
             raise ValueError(f"loaded state dict has state for unknown param id {sid!r}")
-        p = opt._all_params[id_map[sid]]
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != p.numel() \
-                    and opt.sharding == layout.FLAT:
-                raise ValueError(f"state {k!r} of param {sid} has {v.numel()} elements, the "
-                                 f"param has {p.numel()}")
+        if not isinstance(st, dict):
+            raise ValueError(f"loaded state of param id {sid!r} is a {type(st).__name__}, "
+                             "not a dict")
+        numels = {k: v.numel() for k, v in st.items()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0}
+        problems += state_problems(opt, id_map[sid], st.keys(), numels)
         mapped[id_map[sid]] = st
+    if problems:
+        raise ValueError("load_state_dict: the state dict does not fit the optimizer: "
+                         + "; ".join(problems[:8])
+                         + (f"; and {len(problems) - 8} more" if len(problems) > 8 else ""))
     return mapped
 
 
 def load(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> None:
-    """Load a torch-format optimizer state dict (the caller's dict is never aliased)."""
-    saved = _check_and_map(opt, state_dict)
-    local_state_: dict[int, dict] = {}
-    idx = 0
-    for keys in local_keys(opt):
-        for key in keys:
-            if key[0] == "param":
-                if key[1] in saved:
-                    local_state_[idx] = {k: _clone(v) for k, v in saved[key[1]].items()}
-            else:
-                st = _run_state(key[1], key[2], saved, opt)
-                if st:
-                    local_state_[idx] = st
-            idx += 1
+    """Load a torch-format optimizer state dict (the caller's dict is never aliased).
+
+    Collective: every rank validates the whole dict (every param's state keys and sizes,
+    not only its own share) and the ranks agree before anything is installed, so a bad
+    dict raises the same error on every rank and leaves the optimizer unchanged."""
+    error, local_state_ = None, {}
+    try:
+        saved = _check_and_map(opt, state_dict)
+        idx = 0
+        for keys in local_keys(opt):
+            for key in keys:
+                if key[0] == "param":
+                    if key[1] in saved:
+                        local_state_[idx] = {k: _clone(v) for k, v in saved[key[1]].items()}
+                else:
+                    st = _run_state(key[1], key[2], saved, opt)
+                    if st:
+                        local_state_[idx] = st
+                idx += 1
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+        error = exc
+    agree(opt.process_group, opt.world_size, error, "load_state_dict")
     install(opt, state_dict["param_groups"], local_state_)
 
 

@@ -18,8 +18,9 @@ from torch.optim import Optimizer
 
 from . import groups as groups_mod
 from . import kernels, layout, state
+from .agree import agree
 from .local_step import FusedShardStep, chunk_bounds
-from .sync import Exchanger, wait_all
+from .sync import Exchanger, exchange_pieces, plan_messages, wait_all
 
 logger = logging.getLogger("zero_ext")
 
@@ -51,6 +52,32 @@ class _ZeroJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         self.zero.step()
+
+
+class _OverlappedSends:
+    """gloo with bucket views: chunk k of every rank's range goes out as soon as this rank
+    has computed its own chunk k, while chunk k+1 computes. `finish` sends whatever was not
+    sent (after a local failure too: every rank must issue the same broadcasts)."""
+
+    def __init__(self, zero: "ZeroRedundancyOptimizer"):
+        self.regions = zero._chunk_regions()
+        self.pipe = zero._exchanger.pipeline()
+        self.sent = 0
+        self.comm = 0.0  # seconds spent issuing/waiting for broadcasts
+
+    def send(self, k: int) -> None:
+        t = time.perf_counter()
+        for j in range(self.sent, k + 1):
+            self.pipe.send(self.regions[j])
+        self.sent = k + 1
+        self.comm += time.perf_counter() - t
+
+    def finish(self) -> None:
+        if self.sent < len(self.regions):
+            self.send(len(self.regions) - 1)
+        t = time.perf_counter()
+        self.pipe.finish()
+        self.comm += time.perf_counter() - t
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -93,10 +120,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     "Use sharding='param'.")
             groups = groups_mod.normalize_param_groups(params)
             groups_mod.validate_hyperparameters(optimizer_class, groups, defaults)
+            flat_params = [p for g in groups for p in g["params"]]
+            if any(p.is_complex() for p in flat_params) and parameters_as_bucket_view:
+                raise ValueError("parameters_as_bucket_view=True does not support complex "
+                                 "parameters (the flat buffers are real)")
+            aliases = layout.find_aliases(flat_params)
             if sharding == "flat":
-                for g in groups:
-                    if any(not p.is_contiguous() for p in g["params"]):
-                        raise ValueError("sharding='flat' needs contiguous parameters")
+                if any(not p.is_contiguous() for p in flat_params):
+                    raise ValueError("sharding='flat' needs contiguous parameters")
+                if aliases:
+                    raise ValueError(
+                        "sharding='flat' cannot split parameters that share memory (params "
+                        f"{sorted(aliases)} alias earlier ones, as after `b.data = a.data`); "
+                        "use sharding='param', or tie them as one Parameter")
             lines = groups_mod.describe(groups, {
                 "optimizer_class": optimizer_class.__qualname__, "sharding": sharding,
                 "parameters_as_bucket_view": bool(parameters_as_bucket_view),
@@ -113,6 +149,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._all_params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._group_of: list[int] = [gi for gi, g in enumerate(self.param_groups)
                                      for _ in g["params"]]
+        # param index -> index of the first param over the same memory (see find_aliases)
+        self._alias_of: dict[int, int] = layout.find_aliases(self._all_params)
         self._default_device = self._all_params[0].device
         self._exchanger = Exchanger(self.process_group, self.rank, self.world_size)
 
@@ -125,13 +163,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._consolidated: dict | None = None
         # seconds of the last step: local update, time waiting for the exchange, total
         self.last_step_timings: dict[str, float] = {}
-        self._is_trainable_mask = self._trainable_mask()
-
-        self._add_generation(list(range(len(self._all_params))), initial=True)
-        self.optim = optimizer_class(self._local_groups(), **defaults)
+        self._has_state = False  # set by the first step or a load: partition is then fixed
+        self._trainable = self._trainable_mask()  # what the bucket views were built for
+        self._messages: dict = {}  # piece-exchange plans by active set (no bucket views)
+        self._expected_ptrs: list = []  # where every param's memory must be (see _refresh)
         self._stepper: FusedShardStep | None = None  # built at the first fused step
         self._fused_kernel_usable: bool | None = None
         self._regions: list | None = None  # the exchange's regions per chunk (overlapped sync)
+
+        self._add_generation(list(range(len(self._all_params))), initial=True)
+        self.optim = optimizer_class(self._local_groups(), **defaults)
+        self._adopt_optimizer_defaults()
+        self._record_param_memory()
         self._initialized = True
 
     # ------------------------------------------------------------------ construction
@@ -168,7 +211,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if sharding != "auto":
             return sharding
         if self.world_size == 1 or not is_elementwise(self._optimizer_class) or any(
-                not p.is_contiguous() for p in self._all_params):
+                not p.is_contiguous() for p in self._all_params) or self._alias_of:
             return layout.PARAM
         numels = [p.numel() for p in self._all_params]
         owners = layout.assign_owners(numels, self._group_of, self.world_size)
@@ -182,9 +225,33 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _trainable_mask(self) -> list[bool]:
         return [p.requires_grad for p in self._all_params]
 
+    def _frozen_outside_buckets(self) -> bool:
+        """Param mode with bucket views keeps frozen params out of the buffers."""
+        return self.sharding == layout.PARAM and self.parameters_as_bucket_view
+
+    def _rebuild_bucket_views(self) -> None:
+        """Param mode with bucket views, after params were frozen or unfrozen."""
+        self._buckets, self._buffers = [], {}
+        for ids in self._generations:
+            self._build_generation_buckets(ids)
+        self._invalidate_plans()
+        self._record_param_memory()
+
+    def _adopt_optimizer_defaults(self) -> None:
+        """Every key optimizer_class put into its groups (betas, eps, amsgrad, ...) also in
+        ours and in self.defaults, as a plain torch optimizer has them from construction:
+        schedulers (OneCycleLR reads betas) and state dicts need them before any step."""
+        for k, v in self.optim.defaults.items():
+            self.defaults.setdefault(k, v)
+        for g, lg in zip(self.param_groups, self.optim.param_groups):
+            for k, v in lg.items():
+                if k != "params":
+                    g.setdefault(k, v)
+
     def _add_generation(self, ids: list[int], initial: bool) -> None:
         """Place params `ids` (all new): owners, buckets, flat shards."""
-        numels = [self._all_params[i].numel() for i in ids]
+        # A param over another's memory weighs nothing and goes to that param's owner.
+        numels = [0 if i in self._alias_of else self._all_params[i].numel() for i in ids]
         if self.sharding == layout.PARAM:
             if initial:
                 owners = layout.assign_owners(numels, [self._group_of[i] for i in ids],
@@ -192,6 +259,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             else:
                 owners = layout.extend_owners(self._rank_loads(), numels)
             self._owner.extend(owners)
+            for i in ids:
+                if i in self._alias_of:
+                    self._owner[i] = self._owner[self._alias_of[i]]
         self._generations.append(ids)
         self._build_generation_buckets(ids)
 
@@ -202,65 +272,58 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _build_generation_buckets(self, ids: list[int]) -> None:
         params = self._all_params
         if self.sharding == layout.PARAM:
-            # Frozen params never change, so they stay out of the buckets and the sync.
-            live = [i for i in ids if params[i].requires_grad]
-            new = layout.param_mode_buckets(params, live, self._owner, self.world_size)
+            # A param over another's memory is exchanged as part of that one. Frozen params
+            # stay out of bucket views (their buffers are exchanged every step); without
+            # views they are in the plan and travel only in a step that updated one (a
+            # torch optimizer steps a frozen param that still holds a grad).
+            placed = [i for i in ids if i not in self._alias_of
+                      and (params[i].requires_grad or not self.parameters_as_bucket_view)]
+            new = layout.param_mode_buckets(params, placed, self._owner, self.world_size)
         else:
             new = layout.flat_mode_buckets(params, ids, self.world_size)
         for b in new:
             bi = len(self._buckets)
             self._buckets.append(b)
-            if self.parameters_as_bucket_view or self.sharding == layout.FLAT:
+            if self.parameters_as_bucket_view:
                 self._attach_buffer(bi)
             if self.sharding == layout.FLAT:
                 self._shards.append(self._make_shard(bi))
 
     def _attach_buffer(self, bi: int) -> None:
-        """Flat buffer of bucket `bi`, filled from the params; with bucket views the params
-        become views into it (flat mode without views keeps only this rank's range)."""
+        """Bucket views: the flat buffer of bucket `bi`, filled from the params' current
+        values; the params become views into it (params over another's memory follow)."""
         b = self._buckets[bi]
         tensors = [self._all_params[i].detach() for i in b.param_ids]
-        if self.parameters_as_bucket_view:
-            buf = torch.empty(b.numel, dtype=b.dtype, device=b.device)
-            kernels.flatten_into(tensors, buf, b.offsets)
-            ends = [off + n for off, n in zip(b.offsets, b.numels)]
-            for gap_lo, gap_hi in zip(ends, b.offsets[1:] + [b.numel]):
-                if gap_hi > gap_lo:
-                    buf[gap_lo:gap_hi].zero_()  # alignment padding: deterministic bytes
-            for pid, off, n in zip(b.param_ids, b.offsets, b.numels):
-                p = self._all_params[pid]
-                p.data = buf[off:off + n].view_as(p)
-            self._buffers[bi] = buf
-        else:  # flat mode, no views: a private copy of this rank's range only
-            self._buffers[bi] = self._pack_range(b, self.rank, torch.zeros)
-
-    def _my_range_storage(self, bi: int) -> torch.Tensor:
-        b = self._buckets[bi]
-        lo, hi = b.rank_ranges[self.rank]
-        buf = self._buffers[bi]
-        return buf[lo:hi] if self.parameters_as_bucket_view else buf
+        buf = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+        kernels.flatten_into(tensors, buf, b.offsets)
+        ends = [off + n for off, n in zip(b.offsets, b.numels)]
+        for gap_lo, gap_hi in zip(ends, b.offsets[1:] + [b.numel]):
+            if gap_hi > gap_lo:
+                buf[gap_lo:gap_hi].zero_()  # alignment padding: deterministic bytes
+        for pid, off, n in zip(b.param_ids, b.offsets, b.numels):
+            p = self._all_params[pid]
+            p.data = buf[off:off + n].view_as(p)
+        for i, first in self._alias_of.items():
+            if first in b.param_ids:
+                self._all_params[i].data = self._all_params[first].data
+        self._buffers[bi] = buf
 
     def _make_shard(self, bi: int) -> dict:
         """Flat mode: this rank's range of bucket `bi` as one "run" per param piece, each a
-        1-D view the local optimizer steps. One run per piece (not per group) keeps torch's
-        per-param semantics: a param without a grad is skipped, its step not advanced, and
-        it gets no state."""
+        1-D view of the param's own elements (of the bucket buffer with bucket views) that
+        the local optimizer steps in place: no private copy, so whatever the script writes
+        into the params is what the next step reads. One run per piece (not per group)
+        keeps torch's per-param semantics: a param without a grad is skipped, its step not
+        advanced, and it gets no state."""
         b = self._buckets[bi]
         lo, _ = b.rank_ranges[self.rank]
-        storage = self._my_range_storage(bi)
         runs: list[dict] = []
         for pc in b.pieces(self.rank):
             start = pc.bucket_start - lo
             runs.append({"group": self._group_of[pc.param_id], "start": start,
                          "end": start + pc.length, "pieces": [pc],
-                         "param": storage[start:start + pc.length]})
-        return {"bucket": bi, "lo": lo, "storage": storage, "runs": runs}
-
-    def _piece_view(self, pc: layout.Piece) -> torch.Tensor:
-        p = self._all_params[pc.param_id].detach()
-        if pc.start == 0 and pc.length == p.numel():
-            return p.view(-1) if p.is_contiguous() else p
-        return p.view(-1)[pc.start:pc.start + pc.length]
+                         "param": self._piece_view(pc)})
+        return {"bucket": bi, "lo": lo, "runs": runs}
 
     def _local_groups(self) -> list[dict]:
         """One local group per global group (possibly empty), hyperparameters included."""
@@ -289,9 +352,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return False
         if self._fused_kernel_usable is None:
             # From all params, not this rank's: every rank must take the same path.
-            self._fused_kernel_usable = all(p.is_contiguous() for p in self._all_params) and all(
-                kernels.native_available("fused_adamw_", d)
-                for d in {p.device for p in self._all_params})
+            # Complex params take optimizer_class's own step (it views them as real pairs);
+            # params over another's memory must be stepped one after the other, as torch's
+            # optimizers do, not by one parallel kernel.
+            self._fused_kernel_usable = (
+                not self._alias_of
+                and all(p.is_contiguous() and not p.is_complex() for p in self._all_params)
+                and all(kernels.native_available("fused_adamw_", d)
+                        for d in {p.device for p in self._all_params}))
         return self._fused_kernel_usable
 
     def _fused_step(self) -> FusedShardStep:
@@ -336,6 +404,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 raise ValueError("a parameter appears more than once: some params of the new "
                                  "group are already in another group")
             groups_mod.validate_hyperparameters(self._optimizer_class, [group], self.defaults)
+            aliases = layout.find_aliases(self._all_params + group["params"])
+            if aliases and (self.sharding == layout.FLAT or any(
+                    i >= len(self._all_params) for i in aliases)):
+                raise ValueError("add_param_group: params of the new group share memory with "
+                                 "other params (as after `b.data = a.data`); tie weights by "
+                                 "sharing one Parameter instead")
             lines = groups_mod.describe([group], {"add_param_group": len(self.param_groups)})
         except Exception as exc:  # noqa: BLE001
             error, lines = exc, []
@@ -346,64 +420,92 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ids = list(range(len(self._all_params), len(self._all_params) + len(group["params"])))
         self._all_params.extend(group["params"])
         self._group_of.extend([gi] * len(group["params"]))
-        self._is_trainable_mask = self._trainable_mask()
-        self._add_generation(ids, initial=False)
+        self._invalidate_plans()
+        self._trainable = self._trainable_mask()
+        if not self._has_state:
+            # Nothing has optimizer state yet, so nothing stops a fresh, balanced partition
+            # of all params (placing the new ones on top of the old loads can end worse
+            # balanced than torch's rule).
+            self._owner, self._generations, self._buckets, self._buffers = [], [], [], {}
+            self._shards = []
+            self._add_generation(list(range(len(self._all_params))), initial=True)
+            self.optim.param_groups.clear()
+            self.optim.state.clear()
+            for lg in self._local_groups():
+                self.optim.add_param_group(lg)
+        else:
+            self._add_generation(ids, initial=False)
+            hyper = {k: v for k, v in self.param_groups[gi].items() if k != "params"}
+            self.optim.add_param_group({**hyper, "params": self._local_params_of_group(gi)})
+        self._adopt_optimizer_defaults()
+        self._record_param_memory()
+
+    def _invalidate_plans(self) -> None:
         self._stepper, self._regions, self._fused_kernel_usable = None, None, None
-        hyper = {k: v for k, v in self.param_groups[gi].items() if k != "params"}
-        self.optim.add_param_group({**hyper, "params": self._local_params_of_group(gi)})
+        self._messages = {}
+
+    # ------------------------------------------------------------------ the step
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any):
-        """Local step on this rank's share, then every rank's update reaches every rank."""
+        """Local step on this rank's share, then every rank's update reaches every rank.
+
+        Collective. A failure on any rank (a bad grad, an exception in the local step)
+        raises on every rank before the exchange, so no rank is left waiting.
+        """
         Join.notify_join_context(self)
+        self._has_state = True  # from now on the partition stays (state may exist)
         mask = self._trainable_mask()
-        if mask != self._is_trainable_mask:
-            logger.warning("zero_ext: the trainable parameters changed; rebuilding buckets")
-            self._rebuild_buckets()
-            self._is_trainable_mask = mask
-        self._copy_hyperparameters(self.param_groups, self.optim.param_groups)
-        if not kwargs and self._fused_step_supported():
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            self._fused_step_and_sync()
-        else:
-            t0 = time.perf_counter()
-            loss = self._generic_step(closure, **kwargs)
-            t1 = time.perf_counter()
-            self._sync_params()
-            t2 = time.perf_counter()
-            self.last_step_timings = {"local": t1 - t0, "comm": t2 - t1, "total": t2 - t0}
+        if mask != self._trainable:
+            self._trainable = mask
+            if self._frozen_outside_buckets():
+                logger.info("zero_ext: the trainable parameters changed; rebuilding buckets")
+                self._rebuild_bucket_views()
+        error, loss = None, None
+        t0 = time.perf_counter()
+        # Decided from what every rank shares (all params, the groups, kwargs), so every
+        # rank issues the same collectives whatever happens locally below.
+        use_fused = not kwargs and self._fused_step_supported()
+        sends = _OverlappedSends(self) if use_fused and self._overlapped() else None
+        try:
+            self._refresh_params()
+            self._copy_hyperparameters(self.param_groups, self.optim.param_groups)
+            if use_fused:
+                if closure is not None:
+                    with torch.enable_grad():
+                        loss = closure()
+                self._fused_step().run(after_chunk=sends.send if sends else None)
+            else:
+                loss = self._generic_step(closure, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+            error = exc
+        if sends is not None:
+            sends.finish()  # the chunks not sent yet (all of them after an early failure)
+        t1 = time.perf_counter()
+        mask_hash = hash(tuple(p.requires_grad for p in self._all_params)) & ((1 << 62) - 1)
+        frozen_stepped, top, bottom = agree(
+            self.process_group, self.world_size, error, "ZeroRedundancyOptimizer.step",
+            (int(self._stepped_a_frozen_param()), mask_hash, -mask_hash))
+        if top != -bottom:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer.step: ranks disagree on which params require grad; "
+                "freeze and unfreeze params alike on every rank")
+        if sends is None:
+            self._sync_params(exchange_frozen=bool(frozen_stepped))
+        if frozen_stepped and self._frozen_outside_buckets() and self.world_size > 1:
+            self._exchange_frozen()
         self._copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        t2 = time.perf_counter()
+        local = t1 - t0 - (sends.comm if sends else 0.0)
+        self.last_step_timings = {"local": local, "comm": t2 - t0 - local, "total": t2 - t0}
         return loss
 
-    def _fused_step_and_sync(self) -> None:
-        stepper = self._fused_step()
-        t0 = time.perf_counter()
-        if not self._overlapped():
-            stepper.run()
-            t1 = time.perf_counter()
-            self._sync_params()
-            t2 = time.perf_counter()
-            self.last_step_timings = {"local": t1 - t0, "comm": t2 - t1, "total": t2 - t0}
-            return
-        # Chunk k of every rank's range goes out as soon as this rank has computed its own.
-        regions = self._chunk_regions()
-        pipe = self._exchanger.pipeline()
-        comm = [0.0]
-
-        def send(k: int) -> None:
-            t = time.perf_counter()
-            pipe.send(regions[k])
-            comm[0] += time.perf_counter() - t
-
-        stepper.run(after_chunk=send)
-        t1 = time.perf_counter()
-        pipe.finish()
-        t2 = time.perf_counter()
-        # "comm" is the time this rank waited for the exchange (the rest overlapped).
-        self.last_step_timings = {"local": t1 - t0 - comm[0], "comm": comm[0] + t2 - t1,
-                                  "total": t2 - t0}
+    def _stepped_a_frozen_param(self) -> bool:
+        """Whether this rank's local step updated a param that does not require grad (a
+        torch optimizer steps any param holding a grad): it must then reach every rank."""
+        if self.parameters_as_bucket_view and not self._frozen_outside_buckets():
+            return False  # flat bucket views hold frozen params: always exchanged
+        return any(not p.requires_grad and p.grad is not None
+                   for p in self._all_params)
 
     def _chunk_regions(self) -> list[list[tuple[torch.Tensor, int]]]:
         """(region, owner) per chunk, for every rank's range of every bucket: the order of
@@ -422,6 +524,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._regions
 
     def _generic_step(self, closure, **kwargs):
+        if self._stepper is not None:
+            self._stepper.reset()  # this step may create or replace state tensors
         if self.sharding == layout.PARAM:
             return self.optim.step(closure, **kwargs) if closure is not None \
                 else self.optim.step(**kwargs)
@@ -459,70 +563,117 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 if k != "params":
                     d[k] = v
 
-    def _rebuild_buckets(self) -> None:
-        if self.sharding == layout.FLAT:
-            return  # flat buckets hold every param, trainable or not
-        self._buckets, self._buffers = [], {}
-        for ids in self._generations:
-            self._build_generation_buckets(ids)
-        self._stepper, self._regions = None, None
+    # ------------------------------------------------------------------ params are the truth
 
-    def _sync_params(self) -> None:
-        """Send this rank's updated range of every bucket to all ranks."""
-        if self._overlapped():
-            pipe = self._exchanger.pipeline()
-            for regions in self._chunk_regions():
-                pipe.send(regions)
-            pipe.finish()
+    def _expected_ptr(self, pid: int) -> int | None:
+        return self._expected_ptrs[pid] if pid < len(self._expected_ptrs) else None
+
+    def _record_param_memory(self) -> None:
+        """Remember where every param's memory is, to notice `p.data = ...` later."""
+        self._expected_ptrs = [p.data_ptr() if p.numel() else None for p in self._all_params]
+        self._expected_meta = [(p.shape, p.dtype, p.device) for p in self._all_params]
+
+    def _refresh_params(self) -> None:
+        """Follow params whose memory the script replaced since the last step
+        (`p.data = t`, `load_state_dict(..., assign=True)`): with bucket views their new
+        values are copied into the buffer and they view it again; in flat mode the local
+        optimizer's views are re-pointed (its state stays). Values written in place need
+        nothing: every step reads the params themselves."""
+        ptrs = [p.data_ptr() if p.numel() else None for p in self._all_params]
+        if ptrs == self._expected_ptrs:
             return
+        changed = [i for i, (a, b) in enumerate(zip(ptrs, self._expected_ptrs)) if a != b]
+        for i in changed:
+            p = self._all_params[i]
+            if (p.shape, p.dtype, p.device) != self._expected_meta[i]:
+                raise ValueError(
+                    f"parameter {i} changed shape, dtype or device after the optimizer was "
+                    f"built ({self._expected_meta[i]} -> {(p.shape, p.dtype, p.device)}); "
+                    "build the optimizer after moving or casting the model")
+        known = {ptr: i for i, ptr in enumerate(ptrs) if ptr is not None and i not in changed}
+        for i in changed:
+            tied = self._alias_of.get(i)
+            if tied is not None and ptrs[i] != ptrs[tied]:
+                raise ValueError(
+                    f"parameter {i} shared memory with parameter {tied} when the optimizer "
+                    "was built and no longer does; build the optimizer after tying weights")
+            other = known.get(ptrs[i])
+            if tied is None and other is not None and self._alias_of.get(other) != i:
+                raise ValueError(
+                    f"parameter {i} now shares memory with parameter {other} (tied after the "
+                    "optimizer was built); tie weights before building the optimizer")
+        if self.parameters_as_bucket_view:
+            slot = {pid: (bi, off) for bi, b in enumerate(self._buckets)
+                    for pid, off in zip(b.param_ids, b.offsets)}
+            for i in changed:
+                if i in self._alias_of or i not in slot:
+                    continue  # follows its first alias / a frozen param outside the buffers
+                p, (bi, off) = self._all_params[i], slot[i]
+                view = self._buffers[bi][off:off + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+            for i, first in self._alias_of.items():
+                self._all_params[i].data = self._all_params[first].data
+        elif self.sharding == layout.FLAT:
+            moved = set(changed)
+            for sh in self._shards:
+                for run in sh["runs"]:
+                    pc = run["pieces"][0]
+                    if pc.param_id in moved:
+                        run["param"].data = self._piece_view(pc)
+        if self._stepper is not None:
+            self._stepper.reset()
+        self._record_param_memory()
+
+    # ------------------------------------------------------------------ exchange
+
+    def _sync_params(self, exchange_frozen: bool = True) -> None:
+        """Send this rank's updated elements of every bucket to all ranks."""
         if self.world_size == 1:
-            if self.sharding == layout.FLAT and not self.parameters_as_bucket_view:
-                self._scatter_own_ranges()
             return
-        works, received = [], []
-        for bi, b in enumerate(self._buckets):
-            if self.parameters_as_bucket_view:
+        if self.parameters_as_bucket_view:
+            if self._overlapped():
+                pipe = self._exchanger.pipeline()
+                for regions in self._chunk_regions():
+                    pipe.send(regions)
+                pipe.finish()
+                return
+            works = []
+            for bi, b in enumerate(self._buckets):
                 full = self._buffers[bi]
-                regions = [full[lo:hi] for lo, hi in b.rank_ranges]
-                works += self._exchanger.exchange(regions, full)
-                continue
-            regions = []
-            for r, (lo, hi) in enumerate(b.rank_ranges):
-                if r != self.rank:
-                    regions.append(torch.empty(hi - lo, dtype=b.dtype, device=b.device))
-                elif self.sharding == layout.FLAT:
-                    regions.append(self._buffers[bi])
-                else:
-                    regions.append(self._pack_range(b, r, torch.empty))
-            works += self._exchanger.exchange(regions)
-            received.append((b, regions))
-        wait_all(works)
-        for b, regions in received:
-            for r, region in enumerate(regions):
-                if r == self.rank and self.sharding == layout.PARAM:
-                    continue  # the params themselves were updated
-                self._unpack_range(b, r, region)
+                works += self._exchanger.exchange([full[lo:hi] for lo, hi in b.rank_ranges],
+                                                  full)
+            wait_all(works)
+            return
+        # No bucket views: straight into the params, with bounded staging. Frozen params
+        # travel only when some rank stepped one (it held a grad).
+        key = (exchange_frozen, tuple(p.requires_grad for p in self._all_params))
+        if key not in self._messages:
+            active = (lambda pid: True) if exchange_frozen else (
+                lambda pid: self._all_params[pid].requires_grad)
+            self._messages[key] = plan_messages(self._buckets, self.world_size, active)
+        exchange_pieces(self._exchanger, self._messages[key], self._view_elements)
 
-    def _scatter_own_ranges(self) -> None:
-        for bi, b in enumerate(self._buckets):
-            self._unpack_range(b, self.rank, self._buffers[bi])
+    def _exchange_frozen(self) -> None:
+        """Param mode with bucket views: the frozen params (outside the buffers) after a
+        step that updated one of them."""
+        frozen = [i for i, p in enumerate(self._all_params)
+                  if not p.requires_grad and i not in self._alias_of]
+        key = ("frozen", tuple(frozen))
+        if key not in self._messages:
+            buckets = layout.param_mode_buckets(self._all_params, frozen, self._owner,
+                                                self.world_size)
+            self._messages[key] = plan_messages(buckets, self.world_size, lambda pid: True)
+        exchange_pieces(self._exchanger, self._messages[key], self._view_elements)
 
-    def _pack_range(self, b: layout.Bucket, r: int, alloc) -> torch.Tensor:
-        """Rank r's range of bucket b gathered from the params into a new tensor (`alloc`
-        is torch.empty or torch.zeros: whether the padding must be deterministic)."""
-        lo, hi = b.rank_ranges[r]
-        out = alloc(hi - lo, dtype=b.dtype, device=b.device)
-        pieces = b.pieces(r)
-        kernels.flatten_into([self._piece_view(pc) for pc in pieces], out,
-                             [pc.bucket_start - lo for pc in pieces])
-        return out
+    def _view_elements(self, pid: int, start: int, length: int) -> torch.Tensor:
+        p = self._all_params[pid].detach()
+        if start == 0 and length == p.numel() and not p.is_contiguous():
+            return p
+        return p.view(-1)[start:start + length]
 
-    def _unpack_range(self, b: layout.Bucket, r: int, region: torch.Tensor) -> None:
-        """Copy rank r's range of bucket b (`region`) back into the params' elements."""
-        lo = b.rank_ranges[r][0]
-        pieces = b.pieces(r)
-        kernels.unflatten_from(region, [self._piece_view(pc) for pc in pieces],
-                               [pc.bucket_start - lo for pc in pieces])
+    def _piece_view(self, pc: layout.Piece) -> torch.Tensor:
+        return self._view_elements(pc.param_id, pc.start, pc.length)
 
     # ------------------------------------------------------------------ join
 

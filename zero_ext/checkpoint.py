@@ -681,15 +681,22 @@ def _info(path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m zero_ext.checkpoint",
-        description="Tools for zero_ext sharded optimizer checkpoints.")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("convert", help="sharded checkpoint -> plain torch optimizer state "
-                                       "dict (torch.save file)")
+        prog="python -m zero_ext.checkpoint", formatter_class=fmt,
+        description="Tools for zero_ext sharded optimizer checkpoints. "
+                    "`python -m zero_ext.checkpoint COMMAND --help` describes a command.")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    c = sub.add_parser("convert", formatter_class=fmt,
+                       help="sharded checkpoint -> plain torch optimizer state dict "
+                            "(torch.save file)",
+                       description="Gather a sharded checkpoint into one plain torch optimizer "
+                                   "state dict (loadable by torch.optim.AdamW and by "
+                                   "zero_ext) and torch.save it.")
     c.add_argument("path", help="checkpoint directory written by zero_ext.checkpoint.save")
     c.add_argument("out", help="output file, e.g. optim.pt")
-    i = sub.add_parser("info", help="describe a checkpoint")
-    i.add_argument("path")
+    i = sub.add_parser("info", formatter_class=fmt, help="describe a checkpoint",
+                       description="Print a checkpoint's world size, sharding mode, params "
+                                   "and param groups.")
+    i.add_argument("path", help="checkpoint directory written by zero_ext.checkpoint.save")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "convert":

@@ -125,15 +125,20 @@ def bench_set(name, device, n_groups, args):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the params and the optimizer state live")
     ap.add_argument("--sets", default=None,
-                    help="comma list of small,mid,gpt,large (default: cpu small,mid,gpt; "
+                    help="comma list of small,mid,gpt,large (None: on cpu small,mid,gpt; on "
                          "cuda small,large)")
-    ap.add_argument("--groups", default=None, help="comma list of group counts (1,3)")
+    ap.add_argument("--groups", default=None,
+                    help="comma list of param-group counts to run (None: on cpu 1,3; on cuda 3)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=10,
+                    help="timed repetitions per variant (interleaved, median reported)")
     ap.add_argument("--max-seconds", type=float, default=6.0,
                     help="time budget per variant (for-loop: 3x)")
     ap.add_argument("--quick", action="store_true", help="smaller sets (smoke run)")

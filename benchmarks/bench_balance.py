@@ -68,7 +68,8 @@ def flat_loads(partition, numels, world: int, alignment: int) -> tuple[list[int]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--world", default="2,4,8,16,64", help="comma-separated world sizes")
     ap.add_argument("--models", default="small,medium", help="comma-separated: small,medium")
     ap.add_argument("--alignment", type=int, default=0,

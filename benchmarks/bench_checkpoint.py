@@ -234,15 +234,17 @@ def report(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=2)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--world", type=int, default=2, help="number of ranks (processes, gloo)")
     ap.add_argument("--small", action="store_true", help="1/16 width (smoke run)")
-    ap.add_argument("--sharding", default="auto", choices=("auto", "param", "flat"))
+    ap.add_argument("--sharding", default="auto", choices=("auto", "param", "flat"),
+                    help="zero_ext's sharding mode")
     ap.add_argument("--chunk", type=int, default=0,
-                    help="consolidation message size in elements (default: zero_ext's)")
+                    help="consolidation message size in elements (0: zero_ext's)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="repeat the save-side measurements (the last run is reported)")
-    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--dir", default=None, help="where to write (None: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     args = ap.parse_args(argv)
 

@@ -74,10 +74,12 @@ def fmt_us(seconds):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--repeats", type=int, default=15)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--device", default="cpu", help="device of the tensors (cpu, cuda)")
+    ap.add_argument("--repeats", type=int, default=15,
+                    help="timed repetitions per case (median reported)")
     ap.add_argument("--skip-large", action="store_true", help="skip the GPT-2 case")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

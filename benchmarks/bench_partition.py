@@ -76,9 +76,11 @@ def workloads():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed repetitions per case (median reported)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     native = native_available("assign_params", "cpu")

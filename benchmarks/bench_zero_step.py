@@ -195,7 +195,8 @@ def summarize(data: dict, configs, tol: float, plan: dict) -> tuple[list, list, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--world", default="2,3,4", help="comma-separated world sizes")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per config")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per config")
@@ -210,7 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctor-reps", type=int, default=2,
                     help="constructions per config; the best time is reported")
     ap.add_argument("--no-limits", action="store_true", help="skip the bare-cost measurements")
-    ap.add_argument("--limit-reps", type=int, default=5)
+    ap.add_argument("--limit-reps", type=int, default=5,
+                    help="repetitions of each bare-cost measurement (median reported)")
     ap.add_argument("--timeout", type=int, default=900, help="gloo timeout, seconds")
     ap.add_argument("--json", default="", help="also write the raw per-rank results here")
     args = ap.parse_args(argv)

@@ -144,25 +144,32 @@ def local_numel(opt) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--sharding", default="auto", choices=["auto", "param", "flat"])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300, help="training steps")
+    ap.add_argument("--sharding", default="auto", choices=["auto", "param", "flat"],
+                    help="zero_ext's sharding mode: whole params per rank, flat element "
+                         "ranges, or chosen by balance")
     ap.add_argument("--bucket-view", action="store_true",
                     help="parameters_as_bucket_view=True (params become views of flat buffers)")
     ap.add_argument("--torch-zero", action="store_true",
                     help="use torch.distributed.optim.ZeroRedundancyOptimizer instead")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
-    ap.add_argument("--seq-len", type=int, default=32)
-    ap.add_argument("--vocab", type=int, default=64)
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--log-every", type=int, default=25)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
+    ap.add_argument("--vocab", type=int, default=64, help="vocabulary size")
+    ap.add_argument("--d-model", type=int, default=64, help="model width")
+    ap.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads per block")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    ap.add_argument("--weight-decay", type=float, default=0.1,
+                    help="AdamW weight decay of the decay group (biases, norms and position "
+                         "embeddings get none)")
+    ap.add_argument("--warmup", type=int, default=30,
+                    help="linear warmup steps before the cosine decay")
+    ap.add_argument("--log-every", type=int, default=25, help="print loss and lr every N steps")
+    ap.add_argument("--seed", type=int, default=0, help="random seed (model and data)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cpu uses gloo, cuda uses nccl with one GPU per rank")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
     args = ap.parse_args(argv)
 

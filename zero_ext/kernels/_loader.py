@@ -18,6 +18,7 @@ overwrite each other's.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import logging
@@ -179,6 +180,31 @@ def jit_build(cuda: bool, name: str | None = None, verbose: bool = False):
     _check_compiler()
     os.makedirs(build_dir, exist_ok=True)
     kwargs["build_directory"] = build_dir
+    # One build per key at a time: other processes (the ranks of a torchrun job) wait here and
+    # then load what the first one built, instead of each printing and starting a build.
+    with _file_lock(os.path.join(build_dir, "zero_ext.lock")):
+        if os.path.exists(library) and _read(stamp_file) == key:
+            torch.ops.load_library(library)
+            return library
+        return _build(kwargs, cuda, build_dir, library, stamp_file, key)
+
+
+@contextlib.contextmanager
+def _file_lock(path: str):
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock in cpp_extension.load still applies
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(kwargs, cuda, build_dir, library, stamp_file, key):
     what = "CPU/CUDA" if cuda else "CPU"
     _say(f"building native ops for {what}, first use only, about "
          f"{'3-5 minutes' if cuda else '1-2 minutes'} on 2 cores (MAX_JOBS={os.environ['MAX_JOBS']}); "

@@ -183,7 +183,7 @@ def _split_params(opt):
     """Params whose state this rank holds only part of (flat mode)."""
     if opt.sharding != "flat":
         return []
-    return sorted({pc.param_id for b in opt._buckets for pc in b.pieces(opt.rank)
+    return sorted({pc.param_id for b in opt.plan.buckets for pc in b.pieces(opt.rank)
                    if pc.length < opt._all_params[pc.param_id].numel()})
 
 

@@ -87,7 +87,7 @@ def _layout(opt, params, rank):
     used only to prove that the scenarios really split params between ranks)."""
     index = {id(p): i for i, p in enumerate(params)}
     out = []
-    for b in opt._buckets:
+    for b in opt.plan.buckets:
         for pc in b.pieces(rank):
             out.append((index[id(opt._all_params[pc.param_id])], pc.start, pc.length))
     return out
@@ -100,7 +100,8 @@ def _info(opt, params, ctx):
             "optim_class": type(opt.optim).__name__,
             "n_local_groups": len(opt.optim.param_groups),
             "local_dims": sorted({p.dim() for g in opt.optim.param_groups for p in g["params"]}),
-            "chunks": getattr(stepper, "chunks", None), "native": _native_fused()}
+            "chunks": opt.plan.chunks if stepper is not None else None,
+            "native": _native_fused()}
 
 
 def _parity(ctx, cls, defaults, *, groups=three_groups, shapes=SHAPES, dtypes=None,

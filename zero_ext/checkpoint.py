@@ -195,13 +195,13 @@ def _build_meta(opt, descs: list[dict]) -> dict:
     for s in st.values():
         for spans in s["elems"].values():
             spans.sort()
-    cls = opt._optimizer_class
+    cls = opt.optimizer_class
     return {
         "format": FORMAT, "version": VERSION,
         "world_size": opt.world_size, "sharding": opt.sharding,
         "optimizer_class": f"{cls.__module__}.{cls.__qualname__}",
         "params": [(tuple(p.shape), _dtype_name(p.dtype), g)
-                   for p, g in zip(opt._all_params, opt._group_of)],
+                   for p, g in zip(opt.plan.params, opt.plan.group_of)],
         "param_groups": torch_groups(opt),
         "state": dict(sorted(st.items())),
         "save_chunk": SAVE_CHUNK,
@@ -287,7 +287,7 @@ def save(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
 def _mismatches(opt, meta: dict) -> list[str]:
     out = []
     saved_groups, groups = meta["param_groups"], opt.param_groups
-    n_saved, n_have = len(meta["params"]), len(opt._all_params)
+    n_saved, n_have = len(meta["params"]), len(opt.plan.params)
     if n_saved != n_have:
         out.append(f"param count: {n_saved} in the checkpoint, {n_have} in the optimizer")
     if len(saved_groups) != len(groups):
@@ -302,8 +302,8 @@ def _mismatches(opt, meta: dict) -> list[str]:
     group_start = [0]
     for g in groups:
         group_start.append(group_start[-1] + len(g["params"]))
-    for pid, ((shape, dt, _), p) in enumerate(zip(meta["params"], opt._all_params)):
-        gi = opt._group_of[pid]
+    for pid, ((shape, dt, _), p) in enumerate(zip(meta["params"], opt.plan.params)):
+        gi = opt.plan.group_of[pid]
         where = f"param {pid} (group {gi}, index {pid - group_start[gi]})"
         if tuple(shape) != tuple(p.shape):
             out.append(f"{where}: shape {tuple(shape)} in the checkpoint, {tuple(p.shape)} "
@@ -369,65 +369,37 @@ def _scalar_copy(v):
 def _plan_load(opt, meta: dict) -> tuple[_Reads, dict[int, dict]]:
     """What this rank reads, and the local optimizer state it will become (allocated here,
     filled by the reads): only the elements this rank owns now, at their final size."""
-    from .state import local_keys
-
+    plan = opt.plan
     reads = _Reads()
     saved = meta["state"]
     starts = {pid: {n: [sp[0] for sp in spans] for n, spans in s["elems"].items()}
               for pid, s in saved.items()}
     local: dict[int, dict] = {}
     idx = 0
-    for keys in local_keys(opt):
-        for key in keys:
+    for gi in range(len(opt.param_groups)):
+        for lp in plan.local_pieces(gi):
             st: dict[str, Any] = {}
-            if key[0] == "param":
-                pid = key[1]
-                s = saved.get(pid)
-                if s:
-                    p = opt._all_params[pid]
-                    for name in s["order"]:
-                        if name in s["elems"]:
-                            dest = torch.empty(p.shape, dtype=_dtype(s["dtypes"][name]),
-                                               device=p.device)
-                            covered: list = []
-                            reads.elems(s["elems"][name], starts[pid][name], 0, p.numel(),
-                                        dest.view(-1), covered)
-                            _zero_gaps(dest.view(-1), covered)
-                            st[name] = dest
-                        elif name in s["wholes"]:
-                            k, shape = s["wholes"][name]
-                            dest = torch.empty(shape, dtype=_dtype(s["dtypes"][name]),
-                                               device=p.device)
-                            n = dest.numel()
-                            reads.items.append((k, 0, n, dest.view(-1)))
-                            st[name] = dest
-                        elif name in s["scalars"]:
-                            st[name] = _scalar_copy(s["scalars"][name])
-            else:
-                sh, run = key[1], key[2]
-                n = run["end"] - run["start"]
-                device = run["param"].device
-                covered_by: dict[str, list] = {}
-                for pc in run["pieces"]:
-                    s = saved.get(pc.param_id)
-                    if not s:
-                        continue
-                    rel = pc.bucket_start - sh["lo"] - run["start"]
-                    for name in s["order"]:
-                        if name in s["elems"]:
-                            if name not in st:
-                                st[name] = torch.empty(n, dtype=_dtype(s["dtypes"][name]),
-                                                       device=device)
-                                covered_by[name] = []
-                            cov: list = []
-                            reads.elems(s["elems"][name], starts[pc.param_id][name], pc.start,
-                                        pc.start + pc.length,
-                                        st[name][rel:rel + pc.length], cov)
-                            covered_by[name] += [(a + rel, b + rel) for a, b in cov]
-                        elif name in s["scalars"] and name not in st:
-                            st[name] = _scalar_copy(s["scalars"][name])
-                for name, cov in covered_by.items():
-                    _zero_gaps(st[name], cov)
+            s = saved.get(lp.param_id)
+            p = plan.params[lp.param_id]
+            # a whole param keeps its shape (param mode); a run of elements is 1-D (flat)
+            shape = p.shape if lp.length == p.numel() and lp.key is p else (lp.length,)
+            for name in (s["order"] if s else []):
+                if name in s["elems"]:
+                    dest = torch.empty(shape, dtype=_dtype(s["dtypes"][name]),
+                                       device=lp.key.device)
+                    covered: list = []
+                    reads.elems(s["elems"][name], starts[lp.param_id][name], lp.start,
+                                lp.start + lp.length, dest.view(-1), covered)
+                    _zero_gaps(dest.view(-1), covered)
+                    st[name] = dest
+                elif name in s["wholes"]:
+                    k, whole_shape = s["wholes"][name]
+                    dest = torch.empty(whole_shape, dtype=_dtype(s["dtypes"][name]),
+                                       device=lp.key.device)
+                    reads.items.append((k, 0, dest.numel(), dest.view(-1)))
+                    st[name] = dest
+                elif name in s["scalars"]:
+                    st[name] = _scalar_copy(s["scalars"][name])
             if st:
                 local[idx] = st
             idx += 1
@@ -680,6 +652,7 @@ def _info(path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(
         prog="python -m zero_ext.checkpoint", formatter_class=fmt,
         description="Tools for zero_ext sharded optimizer checkpoints. "

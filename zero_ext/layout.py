@@ -1,4 +1,7 @@
-"""Who owns which parameter elements, and where each parameter sits in a flat bucket.
+"""The shard plan: who owns which parameter elements, where each sits in a flat bucket,
+and what this rank's local optimizer steps. Built once per layout change (construction,
+add_param_group, a change of trainable params with bucket views); every other module reads
+the plan (`ShardPlan`) instead of the optimizer's internals.
 
 A bucket is one flat buffer per (device, dtype) of the params added in one constructor or
 `add_param_group` call. Every rank owns one contiguous range of each bucket:
@@ -166,3 +169,152 @@ def find_aliases(params: list[torch.Tensor]) -> dict[int, int]:
     for i in sorted(aliases):
         aliases[i] = aliases.get(aliases[i], aliases[i])
     return aliases
+
+
+def chunk_bounds(lo: int, hi: int, chunks: int, align: int) -> list[tuple[int, int]]:
+    """Split [lo, hi) into `chunks` aligned pieces (some may be empty)."""
+    n = hi - lo
+    cuts = [lo + min(n, -(-(n * k // chunks) // align) * align) for k in range(chunks)] + [hi]
+    return [(cuts[k], cuts[k + 1]) for k in range(chunks)]
+
+
+@dataclass
+class LocalPiece:
+    """One tensor this rank's local optimizer steps, its state living under `key`: a whole
+    param in "param" mode, a 1-D view of a run of one param's elements in "flat" mode."""
+
+    key: torch.Tensor
+    param_id: int        # global index (torch's state-dict numbering)
+    start: int           # first element inside the param (flattened)
+    length: int
+    group: int
+    bucket: int          # index into ShardPlan.buckets; -1 when outside every bucket
+    bucket_start: int    # where `start` sits in that bucket
+
+
+@dataclass
+class ShardPlan:
+    """The whole layout of one ZeroRedundancyOptimizer (see the module docstring)."""
+
+    sharding: str                     # PARAM or FLAT
+    world_size: int
+    rank: int
+    bucket_view: bool
+    params: list[torch.Tensor]        # every param, in the user's group order
+    group_of: list[int]               # global group of every param
+    alias_of: dict[int, int]          # param over another's memory -> the first one
+    owner: list[int] = field(default_factory=list)   # PARAM mode: rank of every param
+    generations: list[list[int]] = field(default_factory=list)  # ids per ctor/add call
+    buckets: list[Bucket] = field(default_factory=list)
+    local: list[LocalPiece] = field(default_factory=list)
+    chunks: int = 1                   # chunks of the local step (overlapped exchange)
+
+    # ---------------------------------------------------------------- building
+
+    def add_generation(self, ids: list[int], initial: bool) -> None:
+        """Place params `ids` (all new): owners (PARAM mode), buckets, local pieces."""
+        # A param over another's memory weighs nothing and goes to that param's owner.
+        numels = [0 if i in self.alias_of else self.params[i].numel() for i in ids]
+        if self.sharding == PARAM:
+            if initial:
+                owners = assign_owners(numels, [self.group_of[i] for i in ids],
+                                       self.world_size)
+            else:
+                owners = extend_owners(self.rank_loads(), numels)
+            self.owner.extend(owners)
+            for i in ids:
+                if i in self.alias_of:
+                    self.owner[i] = self.owner[self.alias_of[i]]
+        self.generations.append(ids)
+        self._add_buckets(ids)
+
+    def rebuild_buckets(self) -> None:
+        """After params were frozen or unfrozen (PARAM mode with bucket views)."""
+        self.buckets = []
+        for ids in self.generations:
+            self._add_buckets(ids)
+
+    def _add_buckets(self, ids: list[int]) -> None:
+        if self.sharding == PARAM:
+            # A param over another's memory is exchanged as part of that one. Frozen params
+            # stay out of bucket views (their buffers are exchanged every step); without
+            # views they are in the plan and travel only in a step that updated one (a
+            # torch optimizer steps a frozen param that still holds a grad).
+            placed = [i for i in ids if i not in self.alias_of
+                      and (self.params[i].requires_grad or not self.bucket_view)]
+            self.buckets += param_mode_buckets(self.params, placed, self.owner,
+                                               self.world_size)
+        else:
+            self.buckets += flat_mode_buckets(self.params, ids, self.world_size)
+
+    def bind_local(self) -> None:
+        """The local pieces of every param placed so far (keys of new pieces only: a key
+        that exists keeps its identity, the local optimizer's state lives under it). Call
+        after bucket views were attached: flat keys view the params' current memory."""
+        old = {(lp.param_id, lp.start): lp for lp in self.local}
+        local: list[LocalPiece] = []
+        placed = set()
+        for bi, b in enumerate(self.buckets):
+            for pc in b.pieces(self.rank):
+                placed.add(pc.param_id)
+                prev = old.get((pc.param_id, pc.start))
+                if self.sharding == PARAM:
+                    key = self.params[pc.param_id]
+                elif prev is not None:
+                    key = prev.key
+                else:
+                    key = self.element_view(pc.param_id, pc.start, pc.length)
+                local.append(LocalPiece(key, pc.param_id, pc.start, pc.length,
+                                        self.group_of[pc.param_id], bi, pc.bucket_start))
+        if self.sharding == PARAM:
+            # Owned params outside the buckets (frozen ones with bucket views, params over
+            # another's memory) still step when they hold a grad, as in torch.
+            for pid, r in enumerate(self.owner):
+                if r == self.rank and pid not in placed:
+                    p = self.params[pid]
+                    local.append(LocalPiece(p, pid, 0, p.numel(), self.group_of[pid], -1, 0))
+        self.local = local
+
+    def rebind(self, param_ids: set[int]) -> None:
+        """Flat mode: re-point the keys of these params at their current memory (after
+        `p.data = t`); the key objects, and so the optimizer state, stay."""
+        if self.sharding != FLAT:
+            return
+        for lp in self.local:
+            if lp.param_id in param_ids:
+                lp.key.data = self.element_view(lp.param_id, lp.start, lp.length)
+
+    # ---------------------------------------------------------------- reading
+
+    def element_view(self, pid: int, start: int, length: int) -> torch.Tensor:
+        """Elements [start, start+length) of param `pid` (flattened), as a view of its
+        current memory (the whole strided param when it is not contiguous)."""
+        p = self.params[pid].detach()
+        if start == 0 and length == p.numel() and not p.is_contiguous():
+            return p
+        return p.view(-1)[start:start + length]
+
+    def local_pieces(self, gi: int) -> list[LocalPiece]:
+        """This rank's pieces of global group gi, in the local optimizer's order (global
+        param order: params over one memory are stepped in torch's order)."""
+        return sorted((lp for lp in self.local if lp.group == gi),
+                      key=lambda lp: (lp.param_id, lp.start))
+
+    def local_keys(self, gi: int) -> list[torch.Tensor]:
+        return [lp.key for lp in self.local_pieces(gi)]
+
+    def rank_loads(self) -> list[int]:
+        return kernels.partition.rank_loads([p.numel() for p in self.params], self.owner,
+                                            self.world_size)
+
+    @property
+    def local_numel(self) -> int:
+        if self.sharding == PARAM:
+            return sum(p.numel() for p, r in zip(self.params, self.owner) if r == self.rank)
+        return sum(lp.length for lp in self.local)
+
+    def chunk_ranges(self, bi: int, r: int) -> list[tuple[int, int]]:
+        """Rank r's range of bucket bi cut into the step's chunks."""
+        b = self.buckets[bi]
+        lo, hi = b.rank_ranges[r]
+        return chunk_bounds(lo, hi, self.chunks, kernels.flatten.alignment_elems(b.dtype))

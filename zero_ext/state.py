@@ -94,35 +94,21 @@ class LocalState:
 def local_state(opt: "ZeroRedundancyOptimizer") -> LocalState:
     """This rank's optimizer state as segments (views into the local optimizer's state)."""
     out = LocalState()
-    if opt.sharding == layout.PARAM:
-        for pid, (p, r) in enumerate(zip(opt._all_params, opt._owner)):
-            st = opt.optim.state.get(p) if r == opt.rank else None
-            if not st:
-                continue
-            out.order[pid] = list(st)
-            numel = p.numel()
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() > 0:
-                    whole = None if v.numel() == numel else tuple(v.shape)
-                    out.segments.append(Segment(pid, k, 0, v.numel(), _flat(v), whole))
-                else:  # 0-d and empty tensors, numbers, anything else: small
-                    out.scalars.setdefault(pid, {})[k] = v
-        return out
-    for sh in opt._shards:
-        for run in sh["runs"]:
-            st = opt.optim.state.get(run["param"])
-            if not st:
-                continue
-            n = run["end"] - run["start"]
-            for pc in run["pieces"]:
-                rel = pc.bucket_start - sh["lo"] - run["start"]
-                out.order.setdefault(pc.param_id, list(st))
-                for k, v in st.items():
-                    if _is_per_element(v, n):
-                        out.segments.append(Segment(pc.param_id, k, pc.start, pc.length,
-                                                    _flat(v)[rel:rel + pc.length]))
-                    else:
-                        out.scalars.setdefault(pc.param_id, {}).setdefault(k, v)
+    plan = opt.plan
+    for lp in plan.local:
+        st = opt.optim.state.get(lp.key)
+        if not st:
+            continue
+        out.order.setdefault(lp.param_id, list(st))
+        for k, v in st.items():
+            if _is_per_element(v, lp.length):
+                out.segments.append(Segment(lp.param_id, k, lp.start, lp.length, _flat(v)))
+            elif (plan.sharding == layout.PARAM and isinstance(v, torch.Tensor)
+                  and v.dim() > 0 and v.numel() > 0):  # whole-param state of another shape
+                out.segments.append(Segment(lp.param_id, k, 0, v.numel(), _flat(v),
+                                            tuple(v.shape)))
+            else:  # 0-d and empty tensors, numbers, anything else: small
+                out.scalars.setdefault(lp.param_id, {}).setdefault(k, v)
     return out
 
 
@@ -258,7 +244,7 @@ class _FullState:
                 dests.append(st[name].view(-1))
                 continue
             if name not in st:
-                st[name] = torch.empty(self.opt._all_params[pid].numel(), dtype=_dtype(dt))
+                st[name] = torch.empty(self.opt.plan.params[pid].numel(), dtype=_dtype(dt))
             self.covered.setdefault((pid, name), []).append((start, start + length))
             dests.append(st[name][start:start + length])
         for pid, sc in desc["scalars"].items():
@@ -280,7 +266,7 @@ class _FullState:
                 t[pos:].zero_()
         full: dict[int, dict] = {}
         for pid in sorted(set(self.tensors) | set(self.scalars)):
-            shape = self.opt._all_params[pid].shape
+            shape = self.opt.plan.params[pid].shape
             values = dict(self.scalars.get(pid, {}))
             for name, t in self.tensors.get(pid, {}).items():
                 values[name] = t.view(shape) if (pid, name) in self.covered else t
@@ -341,25 +327,6 @@ def torch_groups(opt: "ZeroRedundancyOptimizer") -> list[dict]:
 # ------------------------------------------------------------------------ loading
 
 
-def local_param_ids(opt: "ZeroRedundancyOptimizer", gi: int) -> list[int]:
-    """Param mode: global indices of this rank's params in group gi, in local order."""
-    return [pid for pid, (g, r) in enumerate(zip(opt._group_of, opt._owner))
-            if g == gi and r == opt.rank]
-
-
-def local_keys(opt: "ZeroRedundancyOptimizer") -> list[list[Any]]:
-    """Per global group, the local optimizer's params in its order, each described as
-    ("param", pid) in param mode or ("run", shard, run) in flat mode."""
-    out = []
-    for gi in range(len(opt.param_groups)):
-        if opt.sharding == layout.PARAM:
-            out.append([("param", pid) for pid in local_param_ids(opt, gi)])
-        else:
-            out.append([("run", sh, run) for sh in opt._shards for run in sh["runs"]
-                        if run["group"] == gi])
-    return out
-
-
 def install(opt: "ZeroRedundancyOptimizer", saved_groups: list[dict],
             local_states: dict[int, dict]) -> None:
     """Copy the saved groups' hyperparameters into the optimizer and load `local_states`
@@ -370,12 +337,12 @@ def install(opt: "ZeroRedundancyOptimizer", saved_groups: list[dict],
             if k not in ("params", "param_names"):
                 g[k] = copy.deepcopy(v)
     local_groups, idx = [], 0
-    for g, keys in zip(opt.param_groups, local_keys(opt)):
+    for gi, g in enumerate(opt.param_groups):
+        n = len(opt.plan.local_pieces(gi))
         hyper = {k: v for k, v in g.items() if k != "params"}
-        local_groups.append({**hyper, "params": list(range(idx, idx + len(keys)))})
-        idx += len(keys)
+        local_groups.append({**hyper, "params": list(range(idx, idx + n))})
+        idx += n
     opt.optim.load_state_dict({"state": local_states, "param_groups": local_groups})
-    opt._has_state = True  # the partition is now fixed (state exists)
     stepper = getattr(opt, "_stepper", None)
     if stepper is not None and hasattr(stepper, "reset"):
         stepper.reset()
@@ -399,18 +366,18 @@ def required_state_keys(optimizer_class: type, group: dict) -> tuple[str, ...]:
 def state_problems(opt: "ZeroRedundancyOptimizer", pid: int, names, numels: dict) -> list[str]:
     """What is wrong with the saved state of global param `pid` for this optimizer:
     `names` are its state keys, `numels` the element count of each tensor-valued key."""
-    p = opt._all_params[pid]
-    gi = opt._group_of[pid]
+    p = opt.plan.params[pid]
+    gi = opt.plan.group_of[pid]
+    cls = opt.optimizer_class
     out = []
     names = set(names)
     if names:
-        missing = [k for k in required_state_keys(opt._optimizer_class, opt.param_groups[gi])
-                   if k not in names]
+        missing = [k for k in required_state_keys(cls, opt.param_groups[gi]) if k not in names]
         if missing:
             out.append(f"param {pid} (group {gi}) has state {sorted(names)} but "
-                       f"{opt._optimizer_class.__name__} needs {missing} (saved by another "
-                       "optimizer class, or with other settings such as amsgrad?)")
-    for k in required_state_keys(opt._optimizer_class, opt.param_groups[gi]):
+                       f"{cls.__name__} needs {missing} (saved by another optimizer class, "
+                       "or with other settings such as amsgrad?)")
+    for k in required_state_keys(cls, opt.param_groups[gi]):
         n = numels.get(k)
         if k != "step" and n is not None and n != p.numel():
             out.append(f"param {pid} (group {gi}): state {k!r} has {n} elements, the param "
@@ -469,15 +436,11 @@ def load(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> None:
     try:
         saved = _check_and_map(opt, state_dict)
         idx = 0
-        for keys in local_keys(opt):
-            for key in keys:
-                if key[0] == "param":
-                    if key[1] in saved:
-                        local_state_[idx] = {k: _clone(v) for k, v in saved[key[1]].items()}
-                else:
-                    st = _run_state(key[1], key[2], saved, opt)
-                    if st:
-                        local_state_[idx] = st
+        for gi in range(len(opt.param_groups)):
+            for lp in opt.plan.local_pieces(gi):
+                st = _piece_state(opt.plan, lp, saved)
+                if st:
+                    local_state_[idx] = st
                 idx += 1
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = exc
@@ -485,21 +448,14 @@ def load(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> None:
     install(opt, state_dict["param_groups"], local_state_)
 
 
-def _run_state(sh: dict, run: dict, saved: dict, opt) -> dict:
-    """Flat mode: the state of one local run, cut out of the saved per-param states."""
-    n = run["end"] - run["start"]
-    st: dict = {}
-    for pc in run["pieces"]:
-        s = saved.get(pc.param_id)
-        if not s:
-            continue
-        rel = pc.bucket_start - sh["lo"] - run["start"]
-        numel = opt._all_params[pc.param_id].numel()
-        for k, v in s.items():
-            if _is_per_element(v, numel):
-                if k not in st:
-                    st[k] = torch.zeros(n, dtype=v.dtype, device=v.device)
-                st[k][rel:rel + pc.length].copy_(v.reshape(-1)[pc.start:pc.start + pc.length])
-            elif k not in st:
-                st[k] = _clone(v)
-    return st
+def _piece_state(plan: layout.ShardPlan, lp: layout.LocalPiece, saved: dict) -> dict:
+    """The state of one local piece: a copy of the saved per-param state, per-element
+    values cut to the piece's elements (flat mode). Never aliases the caller's tensors."""
+    s = saved.get(lp.param_id)
+    if not s:
+        return {}
+    numel = plan.params[lp.param_id].numel()
+    if lp.start == 0 and lp.length == numel:
+        return {k: _clone(v) for k, v in s.items()}
+    return {k: (v.detach().reshape(-1)[lp.start:lp.start + lp.length].clone()
+                if _is_per_element(v, numel) else _clone(v)) for k, v in s.items()}

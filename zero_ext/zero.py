@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from . import groups as groups_mod
 from . import kernels, layout, state
 from .agree import agree
-from .local_step import FusedShardStep, chunk_bounds
+from .local_step import FusedShardStep
 from .sync import Exchanger, exchange_pieces, plan_messages, wait_all
 
 logger = logging.getLogger("zero_ext")
@@ -141,37 +141,27 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             error = exc
         self._agree_across_ranks(error, lines)
 
-        self._optimizer_class = optimizer_class
+        self.optimizer_class = optimizer_class
         self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
         self._overlap_with_ddp = False
         super().__init__(groups, defaults)  # fills defaults into the groups
         Joinable.__init__(self)
+        # Every param in group order (torch's ZeRO has this attribute; code in the wild reads it).
         self._all_params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
-        self._group_of: list[int] = [gi for gi, g in enumerate(self.param_groups)
-                                     for _ in g["params"]]
-        # param index -> index of the first param over the same memory (see find_aliases)
-        self._alias_of: dict[int, int] = layout.find_aliases(self._all_params)
-        self._default_device = self._all_params[0].device
         self._exchanger = Exchanger(self.process_group, self.rank, self.world_size)
-
-        self.sharding = self._resolve_sharding(sharding)
-        self._owner: list[int] = []          # param mode: rank of every param
-        self._generations: list[list[int]] = []  # param ids added by each constructor/add call
-        self._buckets: list[layout.Bucket] = []
-        self._buffers: dict[int, torch.Tensor] = {}   # bucket index -> flat buffer (views on)
-        self._shards: list[dict] = []        # flat mode: per bucket {storage, grad, runs}
         self._consolidated: dict | None = None
         # seconds of the last step: local update, time waiting for the exchange, total
         self.last_step_timings: dict[str, float] = {}
-        self._has_state = False  # set by the first step or a load: partition is then fixed
-        self._trainable = self._trainable_mask()  # what the bucket views were built for
+        self._buffers: dict[int, torch.Tensor] = {}   # bucket index -> flat buffer (views on)
         self._messages: dict = {}  # piece-exchange plans by active set (no bucket views)
         self._expected_ptrs: list = []  # where every param's memory must be (see _refresh)
         self._stepper: FusedShardStep | None = None  # built at the first fused step
         self._fused_kernel_usable: bool | None = None
         self._regions: list | None = None  # the exchange's regions per chunk (overlapped sync)
 
-        self._add_generation(list(range(len(self._all_params))), initial=True)
+        self.plan = self._new_plan(self._resolve_sharding(sharding))
+        self.sharding = self.plan.sharding
+        self._trainable = self._trainable_mask()  # what the bucket views were built for
         self.optim = optimizer_class(self._local_groups(), **defaults)
         self._adopt_optimizer_defaults()
         self._record_param_memory()
@@ -210,17 +200,34 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _resolve_sharding(self, sharding: str) -> str:
         if sharding != "auto":
             return sharding
-        if self.world_size == 1 or not is_elementwise(self._optimizer_class) or any(
-                not p.is_contiguous() for p in self._all_params) or self._alias_of:
+        params = self._all_params
+        if self.world_size == 1 or not is_elementwise(self.optimizer_class) or any(
+                not p.is_contiguous() for p in params) or layout.find_aliases(params):
             return layout.PARAM
-        numels = [p.numel() for p in self._all_params]
-        owners = layout.assign_owners(numels, self._group_of, self.world_size)
+        numels = [p.numel() for p in params]
+        owners = layout.assign_owners(numels, self._group_ids(), self.world_size)
         ratio = kernels.partition.max_over_mean(
             kernels.partition.rank_loads(numels, owners, self.world_size))
         choice = layout.FLAT if ratio > AUTO_FLAT_THRESHOLD else layout.PARAM
         logger.info("zero_ext: sharding='auto' chose %r (whole-param max/mean load %.3f, "
                     "threshold %.2f)", choice, ratio, AUTO_FLAT_THRESHOLD)
         return choice
+
+    def _group_ids(self) -> list[int]:
+        return [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+
+    def _new_plan(self, sharding: str) -> layout.ShardPlan:
+        """A fresh plan of every param (construction, or a re-partition before any state)."""
+        plan = layout.ShardPlan(sharding, self.world_size, self.rank,
+                                self.parameters_as_bucket_view, self._all_params,
+                                self._group_ids(), layout.find_aliases(self._all_params))
+        self._buffers = {}
+        plan.add_generation(list(range(len(self._all_params))), initial=True)
+        self._attach_new_buffers(plan)
+        plan.bind_local()
+        plan.chunks = self._chunks_per_step(plan)
+        self._invalidate_plans()
+        return plan
 
     def _trainable_mask(self) -> list[bool]:
         return [p.requires_grad for p in self._all_params]
@@ -231,11 +238,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _rebuild_bucket_views(self) -> None:
         """Param mode with bucket views, after params were frozen or unfrozen."""
-        self._buckets, self._buffers = [], {}
-        for ids in self._generations:
-            self._build_generation_buckets(ids)
+        self.plan.rebuild_buckets()
+        self._buffers = {}
+        self._attach_new_buffers(self.plan)
+        self.plan.bind_local()
         self._invalidate_plans()
         self._record_param_memory()
+
+    def _attach_new_buffers(self, plan: layout.ShardPlan) -> None:
+        if self.parameters_as_bucket_view:
+            for bi in range(len(self._buffers), len(plan.buckets)):
+                self._attach_buffer(plan, bi)
 
     def _adopt_optimizer_defaults(self) -> None:
         """Every key optimizer_class put into its groups (betas, eps, amsgrad, ...) also in
@@ -248,51 +261,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 if k != "params":
                     g.setdefault(k, v)
 
-    def _add_generation(self, ids: list[int], initial: bool) -> None:
-        """Place params `ids` (all new): owners, buckets, flat shards."""
-        # A param over another's memory weighs nothing and goes to that param's owner.
-        numels = [0 if i in self._alias_of else self._all_params[i].numel() for i in ids]
-        if self.sharding == layout.PARAM:
-            if initial:
-                owners = layout.assign_owners(numels, [self._group_of[i] for i in ids],
-                                              self.world_size)
-            else:
-                owners = layout.extend_owners(self._rank_loads(), numels)
-            self._owner.extend(owners)
-            for i in ids:
-                if i in self._alias_of:
-                    self._owner[i] = self._owner[self._alias_of[i]]
-        self._generations.append(ids)
-        self._build_generation_buckets(ids)
-
-    def _rank_loads(self) -> list[int]:
-        return kernels.partition.rank_loads([p.numel() for p in self._all_params],
-                                            self._owner, self.world_size)
-
-    def _build_generation_buckets(self, ids: list[int]) -> None:
-        params = self._all_params
-        if self.sharding == layout.PARAM:
-            # A param over another's memory is exchanged as part of that one. Frozen params
-            # stay out of bucket views (their buffers are exchanged every step); without
-            # views they are in the plan and travel only in a step that updated one (a
-            # torch optimizer steps a frozen param that still holds a grad).
-            placed = [i for i in ids if i not in self._alias_of
-                      and (params[i].requires_grad or not self.parameters_as_bucket_view)]
-            new = layout.param_mode_buckets(params, placed, self._owner, self.world_size)
-        else:
-            new = layout.flat_mode_buckets(params, ids, self.world_size)
-        for b in new:
-            bi = len(self._buckets)
-            self._buckets.append(b)
-            if self.parameters_as_bucket_view:
-                self._attach_buffer(bi)
-            if self.sharding == layout.FLAT:
-                self._shards.append(self._make_shard(bi))
-
-    def _attach_buffer(self, bi: int) -> None:
+    def _attach_buffer(self, plan: layout.ShardPlan, bi: int) -> None:
         """Bucket views: the flat buffer of bucket `bi`, filled from the params' current
         values; the params become views into it (params over another's memory follow)."""
-        b = self._buckets[bi]
+        b = plan.buckets[bi]
         tensors = [self._all_params[i].detach() for i in b.param_ids]
         buf = torch.empty(b.numel, dtype=b.dtype, device=b.device)
         kernels.flatten_into(tensors, buf, b.offsets)
@@ -303,48 +275,25 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for pid, off, n in zip(b.param_ids, b.offsets, b.numels):
             p = self._all_params[pid]
             p.data = buf[off:off + n].view_as(p)
-        for i, first in self._alias_of.items():
+        for i, first in plan.alias_of.items():
             if first in b.param_ids:
                 self._all_params[i].data = self._all_params[first].data
         self._buffers[bi] = buf
-
-    def _make_shard(self, bi: int) -> dict:
-        """Flat mode: this rank's range of bucket `bi` as one "run" per param piece, each a
-        1-D view of the param's own elements (of the bucket buffer with bucket views) that
-        the local optimizer steps in place: no private copy, so whatever the script writes
-        into the params is what the next step reads. One run per piece (not per group)
-        keeps torch's per-param semantics: a param without a grad is skipped, its step not
-        advanced, and it gets no state."""
-        b = self._buckets[bi]
-        lo, _ = b.rank_ranges[self.rank]
-        runs: list[dict] = []
-        for pc in b.pieces(self.rank):
-            start = pc.bucket_start - lo
-            runs.append({"group": self._group_of[pc.param_id], "start": start,
-                         "end": start + pc.length, "pieces": [pc],
-                         "param": self._piece_view(pc)})
-        return {"bucket": bi, "lo": lo, "runs": runs}
 
     def _local_groups(self) -> list[dict]:
         """One local group per global group (possibly empty), hyperparameters included."""
         out = []
         for gi, g in enumerate(self.param_groups):
             hyper = {k: v for k, v in g.items() if k != "params"}
-            out.append({**hyper, "params": self._local_params_of_group(gi)})
+            out.append({**hyper, "params": self.plan.local_keys(gi)})
         return out
-
-    def _local_params_of_group(self, gi: int) -> list[torch.Tensor]:
-        if self.sharding == layout.PARAM:
-            return [p for p, g, r in zip(self._all_params, self._group_of, self._owner)
-                    if g == gi and r == self.rank]
-        return [run["param"] for sh in self._shards for run in sh["runs"] if run["group"] == gi]
 
     def _fused_step_supported(self) -> bool:
         """The chunked fused AdamW replaces optimizer_class's step when it computes the same
         update and a compiled kernel exists for the params' devices."""
         from .fused_adamw import FusedAdamW, fused_path_supported
 
-        cls = self._optimizer_class
+        cls = self.optimizer_class
         if issubclass(cls, FusedAdamW) or not issubclass(cls, (torch.optim.Adam,
                                                                torch.optim.AdamW)):
             return False  # FusedAdamW's own step is already the fused kernel
@@ -352,28 +301,27 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return False
         if self._fused_kernel_usable is None:
             # From all params, not this rank's: every rank must take the same path.
-            # Complex params take optimizer_class's own step (it views them as real pairs);
-            # params over another's memory must be stepped one after the other, as torch's
+            # Params over another's memory must be stepped one after the other, as torch's
             # optimizers do, not by one parallel kernel.
             self._fused_kernel_usable = (
-                not self._alias_of
-                and all(p.is_contiguous() and not p.is_complex() for p in self._all_params)
+                not self.plan.alias_of
+                and all(p.is_contiguous() for p in self._all_params)
                 and all(kernels.native_available("fused_adamw_", d)
                         for d in {p.device for p in self._all_params}))
         return self._fused_kernel_usable
 
     def _fused_step(self) -> FusedShardStep:
         if self._stepper is None:
-            self._stepper = FusedShardStep(self, self._chunks_per_step())
+            self._stepper = FusedShardStep(self.plan, self.optim)
         return self._stepper
 
-    def _chunks_per_step(self) -> int:
+    def _chunks_per_step(self, plan: layout.ShardPlan) -> int:
         """Chunks pay off only when the exchange can overlap the compute (_overlapped) and
         each is big enough to hide a collective's fixed cost. Decided from the mean share,
         which every rank computes alike (the broadcast sequence must match)."""
         if not self._overlapped():
             return 1
-        mean_share = sum(b.numel for b in self._buckets) // self.world_size
+        mean_share = sum(b.numel for b in plan.buckets) // self.world_size
         return max(1, min(OVERLAP_CHUNKS, mean_share // OVERLAP_MIN_CHUNK_ELEMS))
 
     def _overlapped(self) -> bool:
@@ -387,9 +335,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     @property
     def local_numel(self) -> int:
         """Parameter elements whose optimizer state this rank holds."""
-        if self.sharding == layout.PARAM:
-            return sum(p.numel() for p, r in zip(self._all_params, self._owner) if r == self.rank)
-        return sum(pc.length for b in self._buckets for pc in b.pieces(self.rank))
+        return self.plan.local_numel
 
     def add_param_group(self, param_group: dict) -> None:
         if not self._initialized:
@@ -403,7 +349,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if any(id(p) in known for p in group["params"]):
                 raise ValueError("a parameter appears more than once: some params of the new "
                                  "group are already in another group")
-            groups_mod.validate_hyperparameters(self._optimizer_class, [group], self.defaults)
+            groups_mod.validate_hyperparameters(self.optimizer_class, [group], self.defaults)
             aliases = layout.find_aliases(self._all_params + group["params"])
             if aliases and (self.sharding == layout.FLAT or any(
                     i >= len(self._all_params) for i in aliases)):
@@ -414,29 +360,32 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         except Exception as exc:  # noqa: BLE001
             error, lines = exc, []
         self._agree_across_ranks(error, lines)
+        # Whether any rank holds optimizer state decides if the partition may still change.
+        (has_state,) = agree(self.process_group, self.world_size, None, "add_param_group",
+                             (int(any(self.optim.state.values())),))
 
         super().add_param_group(group)
         gi = len(self.param_groups) - 1
         ids = list(range(len(self._all_params), len(self._all_params) + len(group["params"])))
         self._all_params.extend(group["params"])
-        self._group_of.extend([gi] * len(group["params"]))
-        self._invalidate_plans()
+        self.plan.group_of.extend([gi] * len(group["params"]))
         self._trainable = self._trainable_mask()
-        if not self._has_state:
+        if not has_state:
             # Nothing has optimizer state yet, so nothing stops a fresh, balanced partition
             # of all params (placing the new ones on top of the old loads can end worse
             # balanced than torch's rule).
-            self._owner, self._generations, self._buckets, self._buffers = [], [], [], {}
-            self._shards = []
-            self._add_generation(list(range(len(self._all_params))), initial=True)
+            self.plan = self._new_plan(self.sharding)
             self.optim.param_groups.clear()
             self.optim.state.clear()
             for lg in self._local_groups():
                 self.optim.add_param_group(lg)
         else:
-            self._add_generation(ids, initial=False)
+            self.plan.add_generation(ids, initial=False)
+            self._attach_new_buffers(self.plan)
+            self.plan.bind_local()
+            self._invalidate_plans()
             hyper = {k: v for k, v in self.param_groups[gi].items() if k != "params"}
-            self.optim.add_param_group({**hyper, "params": self._local_params_of_group(gi)})
+            self.optim.add_param_group({**hyper, "params": self.plan.local_keys(gi)})
         self._adopt_optimizer_defaults()
         self._record_param_memory()
 
@@ -453,7 +402,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         raises on every rank before the exchange, so no rank is left waiting.
         """
         Join.notify_join_context(self)
-        self._has_state = True  # from now on the partition stays (state may exist)
         mask = self._trainable_mask()
         if mask != self._trainable:
             self._trainable = mask
@@ -464,11 +412,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         t0 = time.perf_counter()
         # Decided from what every rank shares (all params, the groups, kwargs), so every
         # rank issues the same collectives whatever happens locally below.
+        self._copy_hyperparameters(self.param_groups, self.optim.param_groups)
         use_fused = not kwargs and self._fused_step_supported()
         sends = _OverlappedSends(self) if use_fused and self._overlapped() else None
         try:
             self._refresh_params()
-            self._copy_hyperparameters(self.param_groups, self.optim.param_groups)
             if use_fused:
                 if closure is not None:
                     with torch.enable_grad():
@@ -512,12 +460,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         the overlapped exchange. The generic step sends the same sequence, so ranks agree
         on the collectives whichever step they took."""
         if self._regions is None:
-            chunks = self._chunks_per_step()
-            out: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(chunks)]
-            for bi, b in enumerate(self._buckets):
-                align = kernels.flatten.alignment_elems(b.dtype)
-                for r, (lo, hi) in enumerate(b.rank_ranges):
-                    for k, (a, z) in enumerate(chunk_bounds(lo, hi, chunks, align)):
+            plan = self.plan
+            out: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(plan.chunks)]
+            for bi in range(len(plan.buckets)):
+                for r in range(self.world_size):
+                    for k, (a, z) in enumerate(plan.chunk_ranges(bi, r)):
                         if z > a:
                             out[k].append((self._buffers[bi][a:z], r))
             self._regions = out
@@ -543,18 +490,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _attach_shard_grads(self) -> None:
         """Flat mode, generic path: each run's grad is a view of its piece of p.grad
         (no copy); None when the param has no grad, so the optimizer skips it."""
-        for sh in self._shards:
-            for run in sh["runs"]:
-                pc = run["pieces"][0]
-                g = self._all_params[pc.param_id].grad
-                run["param"].grad = (None if g is None else
-                                     g.detach().reshape(-1)[pc.start:pc.start + pc.length])
+        for lp in self.plan.local:
+            g = self._all_params[lp.param_id].grad
+            lp.key.grad = (None if g is None else
+                           g.detach().reshape(-1)[lp.start:lp.start + lp.length])
 
     def _detach_shard_grads(self) -> None:
         """Drop the views again so the user's zero_grad(set_to_none) frees the grads."""
-        for sh in self._shards:
-            for run in sh["runs"]:
-                run["param"].grad = None
+        for lp in self.plan.local:
+            lp.key.grad = None
 
     @staticmethod
     def _copy_hyperparameters(src: list[dict], dst: list[dict]) -> None:
@@ -592,35 +536,30 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     "build the optimizer after moving or casting the model")
         known = {ptr: i for i, ptr in enumerate(ptrs) if ptr is not None and i not in changed}
         for i in changed:
-            tied = self._alias_of.get(i)
+            tied = self.plan.alias_of.get(i)
             if tied is not None and ptrs[i] != ptrs[tied]:
                 raise ValueError(
                     f"parameter {i} shared memory with parameter {tied} when the optimizer "
                     "was built and no longer does; build the optimizer after tying weights")
             other = known.get(ptrs[i])
-            if tied is None and other is not None and self._alias_of.get(other) != i:
+            if tied is None and other is not None and self.plan.alias_of.get(other) != i:
                 raise ValueError(
                     f"parameter {i} now shares memory with parameter {other} (tied after the "
                     "optimizer was built); tie weights before building the optimizer")
         if self.parameters_as_bucket_view:
-            slot = {pid: (bi, off) for bi, b in enumerate(self._buckets)
+            slot = {pid: (bi, off) for bi, b in enumerate(self.plan.buckets)
                     for pid, off in zip(b.param_ids, b.offsets)}
             for i in changed:
-                if i in self._alias_of or i not in slot:
+                if i in self.plan.alias_of or i not in slot:
                     continue  # follows its first alias / a frozen param outside the buffers
                 p, (bi, off) = self._all_params[i], slot[i]
                 view = self._buffers[bi][off:off + p.numel()].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
-            for i, first in self._alias_of.items():
+            for i, first in self.plan.alias_of.items():
                 self._all_params[i].data = self._all_params[first].data
-        elif self.sharding == layout.FLAT:
-            moved = set(changed)
-            for sh in self._shards:
-                for run in sh["runs"]:
-                    pc = run["pieces"][0]
-                    if pc.param_id in moved:
-                        run["param"].data = self._piece_view(pc)
+        else:
+            self.plan.rebind(set(changed))
         if self._stepper is not None:
             self._stepper.reset()
         self._record_param_memory()
@@ -639,7 +578,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 pipe.finish()
                 return
             works = []
-            for bi, b in enumerate(self._buckets):
+            for bi, b in enumerate(self.plan.buckets):
                 full = self._buffers[bi]
                 works += self._exchanger.exchange([full[lo:hi] for lo, hi in b.rank_ranges],
                                                   full)
@@ -651,29 +590,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if key not in self._messages:
             active = (lambda pid: True) if exchange_frozen else (
                 lambda pid: self._all_params[pid].requires_grad)
-            self._messages[key] = plan_messages(self._buckets, self.world_size, active)
-        exchange_pieces(self._exchanger, self._messages[key], self._view_elements)
+            self._messages[key] = plan_messages(self.plan.buckets, self.world_size, active)
+        exchange_pieces(self._exchanger, self._messages[key], self.plan.element_view)
 
     def _exchange_frozen(self) -> None:
         """Param mode with bucket views: the frozen params (outside the buffers) after a
         step that updated one of them."""
         frozen = [i for i, p in enumerate(self._all_params)
-                  if not p.requires_grad and i not in self._alias_of]
+                  if not p.requires_grad and i not in self.plan.alias_of]
         key = ("frozen", tuple(frozen))
         if key not in self._messages:
-            buckets = layout.param_mode_buckets(self._all_params, frozen, self._owner,
+            buckets = layout.param_mode_buckets(self._all_params, frozen, self.plan.owner,
                                                 self.world_size)
             self._messages[key] = plan_messages(buckets, self.world_size, lambda pid: True)
-        exchange_pieces(self._exchanger, self._messages[key], self._view_elements)
-
-    def _view_elements(self, pid: int, start: int, length: int) -> torch.Tensor:
-        p = self._all_params[pid].detach()
-        if start == 0 and length == p.numel() and not p.is_contiguous():
-            return p
-        return p.view(-1)[start:start + length]
-
-    def _piece_view(self, pc: layout.Piece) -> torch.Tensor:
-        return self._view_elements(pc.param_id, pc.start, pc.length)
+        exchange_pieces(self._exchanger, self._messages[key], self.plan.element_view)
 
     # ------------------------------------------------------------------ join
 
@@ -682,7 +612,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @property
     def join_device(self) -> torch.device:
-        return self._default_device
+        return self._all_params[0].device
 
     @property
     def join_process_group(self) -> Any:

@@ -1,0 +1,303 @@
+"""The one AdamW engine: a fused multi-group AdamW step over torch-format state.
+
+Used by `FusedAdamW` (whole params, one chunk) and by the ZeRO optimizer's fused path (this
+rank's share: whole params or runs of a param's elements, in chunks whose exchange overlaps
+the next chunk's compute). Everything AdamW-specific around the kernel lives here, once:
+
+- lazy state init in `torch.optim.AdamW`'s format (``step`` a 0-d float32 tensor, on the
+  param's device for ``fused``/``capturable`` groups as torch does, else on the CPU);
+- step counting: params whose grad is None are skipped and their step is not advanced;
+  the step VALUES are read from the state at every step (never cached), so a step taken by
+  another path (torch's own optimizer, a loaded state dict) is always counted;
+- one kernel call per (chunk, device), every group in it (`kernels.fused_adamw_`);
+- complex params as real pairs (``view_as_real``), as torch's AdamW does;
+- ``grad_scale``/``found_inf`` (GradScaler): unscale inside the kernel, skip on inf.
+
+Host cost per step does not grow with tensor ops per param: the lists handed to the kernel
+are cached (rebuilt when the structure changes: groups, their params, the state dict or its
+size, which params have grads, amsgrad flags), and every ``"step"`` is a 0-d view into one
+float32 buffer per device, so one ``add_`` advances all of them (distinct elements, so a
+state dict loaded into ``torch.optim.AdamW`` keeps working).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .kernels.adamw import fused_adamw_
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements [offset, offset+length) of `key` (flattened): the local optimizer's param,
+    whose state they update. Their grad is elements [grad_offset, grad_offset+length) of
+    ``sources[source].grad``."""
+
+    key: Tensor
+    offset: int
+    length: int
+    group: int
+    source: int
+    grad_offset: int
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What one step covers: the tensors whose grads feed it, and its segments per chunk."""
+
+    sources: Sequence[Tensor]
+    chunks: Sequence[Sequence[Segment]]
+
+
+def whole_params_layout(param_groups: Sequence[Dict[str, Any]]) -> StepLayout:
+    """Every param of every group as one segment of one chunk (a plain optimizer)."""
+    params = [p for g in param_groups for p in g["params"]]
+    segs, i = [], 0
+    for gi, g in enumerate(param_groups):
+        for p in g["params"]:
+            segs.append(Segment(p, 0, p.numel(), gi, i, 0))
+            i += 1
+    return StepLayout(params, [segs])
+
+
+class _StepPack:
+    """float32 buffer on one device whose 0-d views are the params' ``state["step"]``."""
+
+    __slots__ = ("flat", "views", "index")
+
+    def __init__(self, values: List[float], device: torch.device):
+        self.flat = torch.tensor(values, dtype=torch.float32, device=device)
+        self.views = list(self.flat.unbind(0)) if values else []
+        self.index: Dict[int, int] = {id(v): i for i, v in enumerate(self.views)}
+
+
+class _Call:
+    """One kernel call: one chunk, one device; everything but the per-step grads."""
+
+    __slots__ = ("device", "params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
+                 "segment_groups", "grads", "pack", "step_index")
+
+
+class _Plan:
+    __slots__ = ("key", "none", "chunks", "increments", "refs", "layout", "auto")
+
+
+def _elements(t: Tensor, offset: int, length: int, real: bool) -> Tensor:
+    """Elements of `t` as the kernel sees them: `t` itself when whole (its shape kept),
+    else a 1-D view; complex tensors as (re, im) float pairs."""
+    if real:
+        t = torch.view_as_real(t)
+        offset, length = 2 * offset, 2 * length
+        if offset == 0 and length == t.numel():
+            return t
+    elif offset == 0 and length == t.numel():
+        return t
+    flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
+    return flat[offset:offset + length]
+
+
+class AdamWEngine:
+    """``step(param_groups, state, layout=None, ...)`` follows ``torch.optim.AdamW.step``
+    (or ``torch.optim.Adam`` without L2 decay) on any torch-format ``param_groups``/``state``
+    (FusedAdamW's own, or the local optimizer of the ZeRO optimizer). ``hparams_row`` maps a
+    group to the kernel's 7 columns for ``optimizer_class``."""
+
+    def __init__(self, optimizer_class=None):
+        self.optimizer_class = optimizer_class or torch.optim.AdamW
+        self._plan: Optional[_Plan] = None
+
+    def invalidate(self) -> None:
+        """Forget the cached lists (call after replacing state tensors behind our back)."""
+        self._plan = None
+
+    @torch.no_grad()
+    def step(self, param_groups: Sequence[Dict[str, Any]], state: Dict[Tensor, Dict[str, Any]],
+             layout: Optional[StepLayout] = None, grad_scale: Optional[Tensor] = None,
+             found_inf: Optional[Tensor] = None,
+             after_chunk: Optional[Callable[[int], None]] = None) -> None:
+        from .fused_adamw import hparams_row
+
+        plan = self._plan
+        key = self._key(param_groups, state)
+        auto = layout is None
+        if auto:  # a plain optimizer: every param whole, the layout kept while nothing changes
+            layout = plan.layout if plan is not None and plan.auto and plan.key == key \
+                else whole_params_layout(param_groups)
+        grads = [s.grad for s in layout.sources]
+        none = ()
+        if any(g is None for g in grads):
+            none = tuple(i for i, g in enumerate(grads) if g is None)
+        if plan is None or plan.layout is not layout or plan.none != none or plan.key != key:
+            plan = self._plan = self._build(param_groups, state, layout, grads, none)
+            plan.auto = auto
+        table = torch.tensor([hparams_row(self.optimizer_class, g) for g in param_groups],
+                             dtype=torch.float64)
+        for pack, mask in plan.increments:
+            pack.flat.add_(1 if mask is None else mask)
+        for k, calls in enumerate(plan.chunks):
+            for call in calls:
+                g_list = [grads[src] if whole else _elements(grads[src], off, n, real)
+                          for src, off, n, real, whole in call.grads]
+                if call.step_index is None:
+                    steps = call.pack.flat
+                elif isinstance(call.step_index, Tensor):
+                    steps = call.pack.flat.index_select(0, call.step_index)
+                else:  # steps spread over several packs: gather them on the CPU
+                    steps = torch.stack([pk.flat[i].cpu() for pk, i in call.step_index])
+                gs = None if grad_scale is None else grad_scale.to(call.device,
+                                                                   non_blocking=True)
+                fi = None if found_inf is None else found_inf.to(call.device,
+                                                                  non_blocking=True)
+                fused_adamw_(call.params, g_list, call.exp_avgs, call.exp_avg_sqs,
+                             call.max_exp_avg_sqs, steps, call.segment_groups, table, gs, fi)
+            if after_chunk is not None:
+                after_chunk(k)
+        if found_inf is not None:  # a skipped step does not count
+            for pack, mask in plan.increments:
+                fi = found_inf.to(pack.flat.device).reshape(())
+                pack.flat.sub_(fi if mask is None else mask * fi)
+
+    # -- cache ----------------------------------------------------------------------------
+    @staticmethod
+    def _key(param_groups, state) -> tuple:
+        # Identity of the containers (kept alive by the plan so ids cannot be reused), their
+        # sizes, and the flags that shape the lists.
+        return (id(state), len(state), len(param_groups),
+                tuple((id(g["params"]), len(g["params"]), bool(g.get("amsgrad", False)),
+                       bool(g.get("fused") or g.get("capturable"))) for g in param_groups))
+
+    def _build(self, param_groups, state, layout: StepLayout, grads, none) -> _Plan:
+        skipped = set(none)
+        ams = [bool(g.get("amsgrad", False)) for g in param_groups]
+        on_device = [bool(g.get("fused") or g.get("capturable")) for g in param_groups]
+        # 1. lazy state init for the keys that step (their source has a grad).
+        stepping: Dict[int, dict] = {}
+        for chunk in layout.chunks:
+            for s in chunk:
+                if s.source in skipped or id(s.key) in stepping:
+                    continue
+                if grads[s.source].is_sparse:
+                    raise RuntimeError("AdamW's fused step does not support sparse gradients")
+                stepping[id(s.key)] = self._init_state(state, s.key, ams[s.group],
+                                                       on_device[s.group])
+        # 2. steps: every state's "step" a view into one buffer per device.
+        packs = self._pack_steps(state)
+        # 3. one call per (chunk, device).
+        chunks = []
+        for chunk in layout.chunks:
+            by_dev: Dict[torch.device, list] = {}
+            for s in chunk:
+                if id(s.key) in stepping:
+                    by_dev.setdefault(s.key.device, []).append(s)
+            chunks.append([self._call(dev, segs, stepping, ams, packs, layout.sources)
+                           for dev, segs in by_dev.items()])
+        # 4. increments: which elements of each pack step this time.
+        step_ids = {id(st["step"]) for st in stepping.values()}
+        increments = []
+        for pk in packs:
+            sel = [id(v) in step_ids for v in pk.views]
+            if any(sel):
+                increments.append((pk, None if all(sel) else torch.tensor(
+                    sel, dtype=torch.float32, device=pk.flat.device)))
+        plan = _Plan()
+        plan.none, plan.chunks, plan.increments = none, chunks, increments
+        plan.refs = (state, [g["params"] for g in param_groups])
+        plan.layout, plan.auto = layout, False
+        plan.key = self._key(param_groups, state)  # after the lazy init grew the state
+        return plan
+
+    @staticmethod
+    def _init_state(state, key: Tensor, amsgrad: bool, on_device: bool) -> dict:
+        """torch.optim.AdamW's per-param state, created at the param's first grad."""
+        st = state[key]
+        if len(st) == 0:
+            st["step"] = torch.zeros((), dtype=torch.float32,
+                                     device=key.device if on_device else "cpu")
+            st["exp_avg"] = torch.zeros_like(key, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(key, memory_format=torch.preserve_format)
+        if amsgrad and "max_exp_avg_sq" not in st:
+            st["max_exp_avg_sq"] = torch.zeros_like(key, memory_format=torch.preserve_format)
+        return st
+
+    def _call(self, dev, segs: List[Segment], stepping, ams, packs, sources) -> _Call:
+        c = _Call()
+        c.device = dev
+        use_max = any(ams[s.group] for s in segs)
+        c.params, c.exp_avgs, c.exp_avg_sqs, c.max_exp_avg_sqs, c.grads = [], [], [], [], []
+        for s in segs:
+            st = stepping[id(s.key)]
+            real = s.key.is_complex()
+            view = lambda t: _elements(t, s.offset, s.length, real)  # noqa: E731
+            c.params.append(view(s.key))
+            c.exp_avgs.append(view(st["exp_avg"]))
+            c.exp_avg_sqs.append(view(st["exp_avg_sq"]))
+            if use_max:
+                x = st.get("max_exp_avg_sq") if ams[s.group] else None
+                c.max_exp_avg_sqs.append(view(x) if x is not None else torch.empty(
+                    0, dtype=c.exp_avgs[-1].dtype, device=dev))
+            # the grad is passed whole (no view op per step) when it matches the key
+            whole = (s.grad_offset == 0 and s.offset == 0 and s.length == s.key.numel()
+                     and not real and sources[s.source].shape == s.key.shape)
+            c.grads.append((s.source, s.grad_offset, s.length, real, whole))
+        c.segment_groups = torch.tensor([s.group for s in segs], dtype=torch.int64)
+        # steps of this call: one pack, in order (no copy), or an index into one pack.
+        locs = [self._locate(packs, stepping[id(s.key)]["step"]) for s in segs]
+        pk0 = locs[0][0]
+        if all(pk is pk0 for pk, _ in locs) and (pk0.flat.device.type == "cpu"
+                                                 or pk0.flat.device == dev):
+            idx = [i for _, i in locs]
+            c.pack = pk0
+            c.step_index = None if idx == list(range(len(pk0.views))) else \
+                torch.tensor(idx, dtype=torch.int64, device=pk0.flat.device)
+        else:
+            c.pack, c.step_index = None, locs
+        return c
+
+    @staticmethod
+    def _locate(packs, step):
+        for pk in packs:
+            i = pk.index.get(id(step))
+            if i is not None and pk.views[i] is step:
+                return pk, i
+        raise RuntimeError("AdamWEngine: a state 'step' is not packed (internal error)")
+
+    def _pack_steps(self, state) -> List[_StepPack]:
+        """Reuse the current packs when every state's step is one of their views, else copy
+        all step values into fresh packs (one per device the steps live on)."""
+        old = self._packs()
+        steps = [st["step"] for st in state.values() if isinstance(st, dict) and "step" in st]
+        if old and len(steps) == sum(len(pk.views) for pk in old) and all(
+                any(pk.index.get(id(s)) is not None and pk.views[pk.index[id(s)]] is s
+                    for pk in old) for s in steps):
+            return old
+        by_dev: Dict[torch.device, list] = {}
+        owners: Dict[torch.device, list] = {}
+        for st in state.values():
+            if not isinstance(st, dict) or "step" not in st:
+                continue
+            s = st["step"]
+            dev = s.device if isinstance(s, Tensor) else torch.device("cpu")
+            by_dev.setdefault(dev, []).append(float(s))  # a plain number in old checkpoints
+            owners.setdefault(dev, []).append(st)
+        packs = []
+        for dev, vals in by_dev.items():
+            pk = _StepPack(vals, dev)
+            for st, view in zip(owners[dev], pk.views):
+                st["step"] = view
+            packs.append(pk)
+        return packs
+
+    def _packs(self) -> List[_StepPack]:
+        if self._plan is None:
+            return []
+        seen = {}
+        for calls in self._plan.chunks:
+            for c in calls:
+                for pk in ([c.pack] if c.pack is not None else [pk for pk, _ in c.step_index]):
+                    seen[id(pk)] = pk
+        for pk, _ in self._plan.increments:
+            seen[id(pk)] = pk
+        return list(seen.values())

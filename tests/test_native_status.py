@@ -92,6 +92,7 @@ def test_broken_source_fails_with_the_compiler_error(tmp_path):
         from zero_ext import _build_config
         _build_config.CSRC = {str(csrc)!r}
         import zero_ext
+        print(zero_ext.native_status()["ops"]["flatten_into"]["cpu"])  # reports, never raises
         zero_ext.load_native()
     """, tmp_path, ZERO_EXT_REQUIRE_NATIVE="1", ZERO_EXT_JIT_SOURCES="ops.cpp",
         ZERO_EXT_JIT_NAME="zero_ext_broken_test", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
@@ -99,6 +100,7 @@ def test_broken_source_fails_with_the_compiler_error(tmp_path):
     assert "zero_ext: building native ops for CPU" in out.stderr
     assert "deliberately broken" in out.stderr
     assert "ZERO_EXT_REQUIRE_NATIVE=1" in out.stderr
+    assert "native build failed: " in out.stdout and "error: #error zero_ext deliberately" in out.stdout
 
 
 def _kwargs(root, cflags=("-O3",)):

@@ -350,7 +350,8 @@ def _short(exc: BaseException, limit: int = 300) -> str:
     first = text.strip().splitlines()[0] if text.strip() else text
     if "Error building extension" in text:
         # keep the first compiler error line, the full log is in the exception
-        errs = [ln.strip() for ln in text.splitlines() if "error:" in ln.lower()]
+        errs = [ln.strip() for ln in str(exc).splitlines()[1:] if ": error:" in ln
+                or ": fatal error:" in ln]  # gcc/clang "f.cpp:1:2: error:", nvcc "f.cu(3): error:"
         first = "native build failed: " + (errs[0] if errs else first)
     return first[:limit]
 

@@ -19,11 +19,13 @@ def _flag_device(group) -> torch.device:
 
 
 def agree(group, world_size: int, error: BaseException | None, what: str,
-          flags: tuple[int, ...] = ()) -> list[int]:
+          flags: tuple[int, ...] = (), peer_value_error: bool = False) -> list[int]:
     """Collective over `group`: raise on every rank if any rank's `error` is set.
 
-    `flags` are small non-negative ints that ride along in the same collective; their
-    maximum over the ranks is returned (e.g. "some rank stepped a frozen param").
+    A failing rank raises its own exception; the others raise a RuntimeError naming it
+    (a ValueError when `peer_value_error` and the failure was one). `flags` are ints that
+    ride along in the same collective; their maximum over the ranks is returned (e.g.
+    "some rank stepped a frozen param").
     """
     if world_size == 1 or group is None and not dist.is_initialized():
         if error is not None:
@@ -43,6 +45,28 @@ def agree(group, world_size: int, error: BaseException | None, what: str,
             raise error
         for r, e in enumerate(everyone):
             if e is not None:
-                cls = ValueError if e[0] == "ValueError" else RuntimeError
+                cls = ValueError if peer_value_error and e[0] == "ValueError" \
+                    else RuntimeError
                 raise cls(f"{what}: rank {r} failed ({e[0]}: {e[1]}); every rank stops here")
     return vals[1:]
+
+
+def agree_on_inputs(group, world_size: int, error: BaseException | None, lines: list[str],
+                    what: str) -> None:
+    """Construction / add_param_group: `agree` on local validation, and check that every
+    rank describes the same params, groups and hyperparameters (`lines`, one per item)."""
+    from .groups import digest, first_difference
+
+    d = int(digest(lines)[:15], 16)  # 60 bits of the description's hash
+    if world_size == 1:
+        agree(group, world_size, error, what)
+        return
+    top, bottom = agree(group, world_size, error, what, (d, -d))
+    if top == -bottom:
+        return
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, lines, group=group)
+    diffs = [f"rank {r}: {first_difference(everyone[0], everyone[r])}"
+             for r in range(1, world_size) if everyone[r] != everyone[0]]
+    raise RuntimeError(f"{what}: ranks were given different parameters, groups or "
+                       "hyperparameters (compared with rank 0): " + "; ".join(diffs))

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from .agree import agree
+from .sync import gather_objects
 
 if TYPE_CHECKING:  # pragma: no cover
     from .zero import ZeroRedundancyOptimizer
@@ -84,7 +84,7 @@ def _ranges(start: int, end: int, chunk: int):
 
 def _agree(opt, error: BaseException | None, what: str) -> None:
     """Every rank learns whether any rank failed (one small collective), and raises."""
-    agree(opt.process_group, opt.world_size, error, what)
+    agree(opt.process_group, opt.world_size, error, what, peer_value_error=True)
 
 
 class _quiet_single_process(warnings.catch_warnings):
@@ -259,11 +259,7 @@ def save(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
     with _quiet_single_process():
         dcp.save(items, storage_writer=dcp.FileSystemWriter(tmp, sync_files=sync_files),
                  process_group=opt.process_group, no_dist=opt.process_group is None)
-    descs = [desc]
-    if opt.world_size > 1:
-        descs = [None] * opt.world_size if opt.rank == 0 else None
-        dist.gather_object(desc, descs, dst=dist.get_global_rank(opt.process_group, 0),
-                           group=opt.process_group)
+    descs = gather_objects(desc, 0, opt.process_group, opt.world_size)
     error = None
     if opt.rank == 0:
         try:

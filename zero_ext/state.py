@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from . import layout
 from .agree import agree
-from .sync import wire_view
+from .sync import gather_objects, recv_segments, send_segments
 
 if TYPE_CHECKING:  # pragma: no cover
     from .zero import ZeroRedundancyOptimizer
@@ -119,110 +118,6 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.replace("torch.", ""))
 
 
-def message_plan(seg_descs: list[tuple], chunk: int) -> list[tuple[str, list[tuple]]]:
-    """How one rank's segments travel: [(dtype, [(segment index, offset, length), ...])].
-
-    Per dtype, in segment order: a segment of at least chunk/2 elements goes alone, cut into
-    messages of at most `chunk` (a view on both ends: no copy); smaller ones are packed
-    together up to `chunk` elements. Sender and receiver compute the same plan.
-    """
-    chunk = max(1, int(chunk))
-    by_dtype: dict[str, list[int]] = {}
-    for i, d in enumerate(seg_descs):
-        if d[3] > 0:
-            by_dtype.setdefault(d[4], []).append(i)
-    plan: list[tuple[str, list[tuple]]] = []
-    for dt in sorted(by_dtype):
-        pack: list[tuple] = []
-        packed = 0
-        for i in by_dtype[dt]:
-            n = seg_descs[i][3]
-            if 2 * n >= chunk:
-                for off in range(0, n, chunk):
-                    plan.append((dt, [(i, off, min(chunk, n - off))]))
-                continue
-            if packed + n > chunk:
-                plan.append((dt, pack))
-                pack, packed = [], 0
-            pack.append((i, 0, n))
-            packed += n
-        if pack:
-            plan.append((dt, pack))
-    return plan
-
-
-def _transport_device(opt) -> torch.device:
-    if opt.world_size > 1 and "nccl" in str(dist.get_backend(opt.process_group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-class _Staging:
-    """Per dtype, one buffer as big as the largest message that cannot go as a view (at
-    most one chunk), allocated on first use; one dtype at a time (the plan is sorted)."""
-
-    def __init__(self, plan: list, direct, device: torch.device):
-        self.device, self.bufs, self.need = device, {}, {}
-        for k, (dt, parts) in enumerate(plan):
-            if not direct(k):
-                self.need[dt] = max(self.need.get(dt, 0), sum(n for _, _, n in parts))
-
-    def get(self, dtype: str, n: int) -> torch.Tensor:
-        if dtype not in self.bufs:
-            self.bufs.clear()
-            self.bufs[dtype] = torch.empty(self.need[dtype], dtype=_dtype(dtype),
-                                           device=self.device)
-        return self.bufs[dtype][:n]
-
-
-def _send_segments(opt, segments: list[Segment], dst: int, chunk: int) -> None:
-    dev = _transport_device(opt)
-    backend = dist.get_backend(opt.process_group)
-    plan = message_plan([s.describe() for s in segments], chunk)
-
-    def direct(k):
-        parts = plan[k][1]
-        return len(parts) == 1 and segments[parts[0][0]].tensor.device == dev
-
-    staging = _Staging(plan, direct, dev)
-    for k, (dt, parts) in enumerate(plan):
-        if direct(k):
-            i, off, n = parts[0]
-            buf = segments[i].tensor[off:off + n]
-        else:
-            buf = staging.get(dt, sum(n for _, _, n in parts))
-            pos = 0
-            for i, off, n in parts:
-                buf[pos:pos + n].copy_(segments[i].tensor[off:off + n])
-                pos += n
-        dist.send(wire_view(buf, backend), dst=dst, group=opt.process_group)
-
-
-def _recv_segments(opt, seg_descs: list[tuple], dests: list[torch.Tensor], src: int,
-                   chunk: int) -> None:
-    dev = _transport_device(opt)
-    backend = dist.get_backend(opt.process_group)
-    plan = message_plan(seg_descs, chunk)
-
-    def direct(k):
-        parts = plan[k][1]
-        return len(parts) == 1 and dests[parts[0][0]].device == dev
-
-    staging = _Staging(plan, direct, dev)
-    for k, (dt, parts) in enumerate(plan):
-        if direct(k):
-            i, off, n = parts[0]
-            dist.recv(wire_view(dests[i][off:off + n], backend), src=src,
-                      group=opt.process_group)
-            continue
-        buf = staging.get(dt, sum(n for _, _, n in parts))
-        dist.recv(wire_view(buf, backend), src=src, group=opt.process_group)
-        pos = 0
-        for i, off, n in parts:
-            dests[i][off:off + n].copy_(buf[pos:pos + n])
-            pos += n
-
-
 class _FullState:
     """Rank `to`'s full-size state tensors (CPU), filled segment by segment."""
 
@@ -293,11 +188,10 @@ def consolidate(opt: "ZeroRedundancyOptimizer", to: int) -> dict | None:
         for seg, dst in zip(mine.segments, full.add_rank(desc)):
             dst.copy_(seg.tensor)
         return full.result()
-    dst_global = dist.get_global_rank(opt.process_group, to)
-    gathered = [None] * opt.world_size if opt.rank == to else None
-    dist.gather_object(desc, gathered, dst=dst_global, group=opt.process_group)
+    group = opt.process_group
+    gathered = gather_objects(desc, to, group, opt.world_size)
     if opt.rank != to:
-        _send_segments(opt, mine.segments, dst_global, chunk)
+        send_segments(group, [seg.tensor for seg in mine.segments], desc["segs"], to, chunk)
         return None
     full = _FullState(opt)
     per_rank = [full.add_rank(d) for d in gathered]
@@ -305,8 +199,7 @@ def consolidate(opt: "ZeroRedundancyOptimizer", to: int) -> dict | None:
         dst.copy_(seg.tensor)
     for r in range(opt.world_size):
         if r != to:
-            _recv_segments(opt, gathered[r]["segs"], per_rank[r],
-                           dist.get_global_rank(opt.process_group, r), chunk)
+            recv_segments(group, gathered[r]["segs"], per_rank[r], r, chunk)
     return full.result()
 
 

@@ -9,7 +9,8 @@ Two forms of exchange:
   message in flight, so the step's transient memory is a small constant, not a model copy.
 
 All transport is torch.distributed. Choice of collective per backend, from measurement
-(DESIGN.md §6): on gloo one broadcast per rank range beats all_gather_into_tensor by ~4x;
+(2 ranks, 62M fp32 elements each): on gloo one broadcast per rank range beats
+all_gather_into_tensor by ~4x;
 on NCCL all_gather_into_tensor is used when the ranges have equal size (flat mode).
 Buffers are exchanged as raw bytes-compatible integer views when the backend lacks the
 dtype (gloo and bf16), which is exact since nothing is reduced.
@@ -36,6 +37,24 @@ def wire_view(t: torch.Tensor, backend: str) -> torch.Tensor:
     return t
 
 
+_LANES: dict = {}
+
+
+def _shared_lanes(n: int) -> list:
+    """`n` extra gloo groups over the whole world, made once per world and shared by every
+    optimizer (every rank builds its optimizers in the same order, so the collective
+    new_group calls match). They go with the world: destroy_process_group() frees them."""
+    world = dist.group.WORLD
+    entry = _LANES.get(id(world))
+    if entry is None or entry[0] is not world:  # a new world (re-initialised)
+        _LANES.clear()
+        entry = _LANES[id(world)] = (world, [])
+    lanes = entry[1]
+    while len(lanes) < n:
+        lanes.append(dist.new_group(backend="gloo"))
+    return lanes[:n]
+
+
 class Exchanger:
     """Issues the collectives of one sync for a process group."""
 
@@ -47,46 +66,45 @@ class Exchanger:
         self.global_ranks = [dist.get_global_rank(group, r) if world > 1 else r
                              for r in range(world)] if group is not None else list(range(world))
         # gloo moves one op per group at a time; extra groups ("lanes") over the same ranks
-        # let two chunks travel at once (measured: 221 -> 136 ms for one exchange, DESIGN.md
-        # §6; four lanes gave nothing more). new_group is collective over the whole world,
-        # so lanes are only made when the group is the whole world.
+        # let two chunks travel at once (measured on 2 ranks, 62M fp32 elements each: one
+        # exchange 221 -> 136 ms; four lanes gave nothing more). new_group is collective
+        # over the whole world, so lanes are only made when the group is the whole world.
         self.lanes = [group]
         if (self.backend == "gloo" and world == dist.get_world_size()
                 and world > 1 and lanes > 1):
-            self.lanes += [dist.new_group(backend="gloo") for _ in range(lanes - 1)]
+            self.lanes += _shared_lanes(lanes - 1)
 
     def pipeline(self) -> "BroadcastPipeline":
         return BroadcastPipeline(self)
 
-    def exchange(self, regions: list[torch.Tensor], full: torch.Tensor | None = None) -> list:
-        """Start moving regions[r] from rank r to all ranks; returns work handles.
-
-        regions[self.rank] holds this rank's data, the others are receive buffers. `full`
-        is the contiguous concatenation of regions when it exists (bucket views), which
-        lets NCCL gather in one call.
-        """
+    def exchange_buffers(self, buffers: list[tuple[torch.Tensor, list[tuple[int, int]]]]):
+        """Bucket views: for every (flat buffer, [(lo, hi) per rank]), rank r's range goes
+        from rank r to all ranks, in place. Returns when everything has arrived."""
         if self.world == 1:
-            return []
-        sizes = {t.numel() for t in regions}
-        if (self.backend == "nccl" and full is not None and len(sizes) == 1
-                and full.numel() == self.world * regions[0].numel()):
-            return [dist.all_gather_into_tensor(full, regions[self.rank], group=self.group,
-                                                async_op=True)]
+            return
         if self.backend == "gloo":
             # gloo runs async ops on a small thread pool whose order can differ between
             # ranks; several broadcasts in flight on one group were seen to deadlock at
             # world 3. The pipeline keeps one in flight per lane.
             pipe = self.pipeline()
-            pipe.send([(t, r) for r, t in enumerate(regions)])
+            for full, ranges in buffers:
+                pipe.send([(full[lo:hi], r) for r, (lo, hi) in enumerate(ranges)])
             pipe.finish()
-            return []
-        return [dist.broadcast(t, src=self.global_ranks[r], group=self.group, async_op=True)
-                for r, t in enumerate(regions) if t.numel() > 0]
-
-
-def wait_all(works: list) -> None:
-    for w in works:
-        w.wait()
+            return
+        works = []
+        for full, ranges in buffers:
+            sizes = {hi - lo for lo, hi in ranges}
+            if self.backend == "nccl" and len(sizes) == 1 and \
+                    full.numel() == self.world * next(iter(sizes)):
+                lo, hi = ranges[self.rank]
+                works.append(dist.all_gather_into_tensor(full, full[lo:hi], group=self.group,
+                                                         async_op=True))
+                continue
+            works += [dist.broadcast(full[lo:hi], src=self.global_ranks[r], group=self.group,
+                                     async_op=True)
+                      for r, (lo, hi) in enumerate(ranges) if hi > lo]
+        for w in works:
+            w.wait()
 
 
 class BroadcastPipeline:
@@ -220,3 +238,133 @@ def exchange_pieces(ex: Exchanger, messages: list[Message],
         pending[lane] = (work, m, buf)
     for lane in range(len(lanes)):
         complete(lane)
+
+
+# ------------------------------------------------------------------ state transport
+# (consolidation and sharded checkpoints): small descriptions as objects, tensors as
+# point-to-point messages of bounded size.
+
+
+def gather_objects(obj, to: int, group, world_size: int) -> list | None:
+    """Every rank's picklable `obj` on group rank `to` (None elsewhere)."""
+    if world_size == 1:
+        return [obj]
+    me = dist.get_rank(group)
+    out = [None] * world_size if me == to else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, to), group=group)
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.replace("torch.", ""))
+
+
+def message_plan(seg_descs: list[tuple], chunk: int) -> list[tuple[str, list[tuple]]]:
+    """How one rank's segments travel: [(dtype, [(segment index, offset, length), ...])].
+
+    Per dtype, in segment order: a segment of at least chunk/2 elements goes alone, cut into
+    messages of at most `chunk` (a view on both ends: no copy); smaller ones are packed
+    together up to `chunk` elements. Sender and receiver compute the same plan.
+    """
+    chunk = max(1, int(chunk))
+    by_dtype: dict[str, list[int]] = {}
+    for i, d in enumerate(seg_descs):
+        if d[3] > 0:
+            by_dtype.setdefault(d[4], []).append(i)
+    plan: list[tuple[str, list[tuple]]] = []
+    for dt in sorted(by_dtype):
+        pack: list[tuple] = []
+        packed = 0
+        for i in by_dtype[dt]:
+            n = seg_descs[i][3]
+            if 2 * n >= chunk:
+                for off in range(0, n, chunk):
+                    plan.append((dt, [(i, off, min(chunk, n - off))]))
+                continue
+            if packed + n > chunk:
+                plan.append((dt, pack))
+                pack, packed = [], 0
+            pack.append((i, 0, n))
+            packed += n
+        if pack:
+            plan.append((dt, pack))
+    return plan
+
+
+def _transport_device(group) -> torch.device:
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _Staging:
+    """Per dtype, one buffer as big as the largest message that cannot go as a view (at
+    most one chunk), allocated on first use; one dtype at a time (the plan is sorted)."""
+
+    def __init__(self, plan: list, direct, device: torch.device):
+        self.device, self.bufs, self.need = device, {}, {}
+        for k, (dt, parts) in enumerate(plan):
+            if not direct(k):
+                self.need[dt] = max(self.need.get(dt, 0), sum(n for _, _, n in parts))
+
+    def get(self, dtype: str, n: int) -> torch.Tensor:
+        if dtype not in self.bufs:
+            self.bufs.clear()
+            self.bufs[dtype] = torch.empty(self.need[dtype], dtype=_dtype(dtype),
+                                           device=self.device)
+        return self.bufs[dtype][:n]
+
+
+def send_segments(group, tensors: list[torch.Tensor], descs: list[tuple], dst: int,
+                  chunk: int) -> None:
+    """Send 1-D `tensors` (described by `descs`: (.., .., .., length, dtype name, ..)) to
+    group rank `dst`, which calls recv_segments with the same descs."""
+    dev = _transport_device(group)
+    backend = dist.get_backend(group)
+    dst = dist.get_global_rank(group, dst)
+    plan = message_plan(descs, chunk)
+
+    def direct(k):
+        parts = plan[k][1]
+        return len(parts) == 1 and tensors[parts[0][0]].device == dev
+
+    staging = _Staging(plan, direct, dev)
+    for k, (dt, parts) in enumerate(plan):
+        if direct(k):
+            i, off, n = parts[0]
+            buf = tensors[i][off:off + n]
+        else:
+            buf = staging.get(dt, sum(n for _, _, n in parts))
+            pos = 0
+            for i, off, n in parts:
+                buf[pos:pos + n].copy_(tensors[i][off:off + n])
+                pos += n
+        dist.send(wire_view(buf, backend), dst=dst, group=group)
+
+
+def recv_segments(group, seg_descs: list[tuple], dests: list[torch.Tensor], src: int,
+                  chunk: int) -> None:
+    """Receive what group rank `src` sends with send_segments into `dests`."""
+    dev = _transport_device(group)
+    backend = dist.get_backend(group)
+    src = dist.get_global_rank(group, src)
+    plan = message_plan(seg_descs, chunk)
+
+    def direct(k):
+        parts = plan[k][1]
+        return len(parts) == 1 and dests[parts[0][0]].device == dev
+
+    staging = _Staging(plan, direct, dev)
+    for k, (dt, parts) in enumerate(plan):
+        if direct(k):
+            i, off, n = parts[0]
+            dist.recv(wire_view(dests[i][off:off + n], backend), src=src, group=group)
+            continue
+        buf = staging.get(dt, sum(n for _, _, n in parts))
+        dist.recv(wire_view(buf, backend), src=src, group=group)
+        pos = 0
+        for i, off, n in parts:
+            dests[i][off:off + n].copy_(buf[pos:pos + n])
+            pos += n
+
+

@@ -18,9 +18,9 @@ from torch.optim import Optimizer
 
 from . import groups as groups_mod
 from . import kernels, layout, state
-from .agree import agree
+from .agree import agree, agree_on_inputs
 from .local_step import FusedShardStep
-from .sync import Exchanger, exchange_pieces, plan_messages, wait_all
+from .sync import Exchanger, exchange_pieces, plan_messages
 
 logger = logging.getLogger("zero_ext")
 
@@ -103,7 +103,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self.process_group = process_group if process_group is not None else dist.group.WORLD
             self.world_size = dist.get_world_size(self.process_group)
             self.rank = dist.get_rank(self.process_group)
-        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
 
         # Validate locally, then agree across ranks before anything else is collective.
         error, lines, groups = None, [], []
@@ -139,7 +138,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "defaults": sorted(defaults.items())})
         except Exception as exc:  # noqa: BLE001 - re-raised after the other ranks know
             error = exc
-        self._agree_across_ranks(error, lines)
+        agree_on_inputs(self.process_group, self.world_size, error, lines,
+                        "ZeroRedundancyOptimizer")
 
         self.optimizer_class = optimizer_class
         self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
@@ -168,34 +168,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._initialized = True
 
     # ------------------------------------------------------------------ construction
-
-    def _agree_across_ranks(self, error: BaseException | None, lines: list[str]) -> None:
-        """One small collective so that bad or mismatched input stops every rank."""
-        if self.world_size == 1:
-            if error is not None:
-                raise error
-            return
-        mine = (None if error is None else f"{type(error).__name__}: {error}",
-                groups_mod.digest(lines))
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, mine, group=self.process_group)
-        if error is not None:
-            raise error
-        failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
-        if failed:
-            r, e = failed[0]
-            raise RuntimeError(
-                f"ZeroRedundancyOptimizer: rank {r} rejected its arguments ({e}); every rank "
-                "stops here instead of hanging in a later collective")
-        digests = [d for _, d in gathered]
-        if len(set(digests)) > 1:
-            everyone: list = [None] * self.world_size
-            dist.all_gather_object(everyone, lines, group=self.process_group)
-            diffs = [f"rank {r}: {groups_mod.first_difference(everyone[0], everyone[r])}"
-                     for r in range(1, self.world_size) if digests[r] != digests[0]]
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer: ranks were given different parameters, groups or "
-                "hyperparameters (compared with rank 0): " + "; ".join(diffs))
 
     def _resolve_sharding(self, sharding: str) -> str:
         if sharding != "auto":
@@ -359,7 +331,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             lines = groups_mod.describe([group], {"add_param_group": len(self.param_groups)})
         except Exception as exc:  # noqa: BLE001
             error, lines = exc, []
-        self._agree_across_ranks(error, lines)
+        agree_on_inputs(self.process_group, self.world_size, error, lines,
+                        "ZeroRedundancyOptimizer")
         # Whether any rank holds optimizer state decides if the partition may still change.
         (has_state,) = agree(self.process_group, self.world_size, None, "add_param_group",
                              (int(any(self.optim.state.values())),))
@@ -577,12 +550,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     pipe.send(regions)
                 pipe.finish()
                 return
-            works = []
-            for bi, b in enumerate(self.plan.buckets):
-                full = self._buffers[bi]
-                works += self._exchanger.exchange([full[lo:hi] for lo, hi in b.rank_ranges],
-                                                  full)
-            wait_all(works)
+            self._exchanger.exchange_buffers(
+                [(self._buffers[bi], b.rank_ranges) for bi, b in enumerate(self.plan.buckets)])
             return
         # No bucket views: straight into the params, with bounded staging. Frozen params
         # travel only when some rank stepped one (it held a grad).

@@ -1,9 +1,11 @@
 """ZeroRedundancyOptimizer: ZeRO stage 1 (optimizer-state sharding), drop-in for torch's.
 
-The path of a step: param_groups (groups.py) -> ownership and buckets (layout.py) ->
-local step on this rank's share (optimizer_class, or the fused multi-group AdamW) ->
-exchange of every rank's updated range (sync.py). Checkpoints in torch's format live in
-state.py.
+The public class; it composes the parts, in the order data flows through a step:
+groups.py (normalise, validate) -> layout.py (the shard plan) -> local_step.py / engine.py
+(the fused AdamW step of this rank's share, else optimizer_class's own) -> replicas.py and
+sync.py (every owner's update reaches every rank) -> state.py / checkpoint.py (torch-format
+state dicts, sharded checkpoints). agree.py turns a failure on one rank into an error on
+every rank. docs/design.md describes the whole.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from . import groups as groups_mod
 from . import kernels, layout, state
 from .agree import agree, agree_on_inputs
 from .local_step import FusedShardStep
-from .sync import Exchanger, exchange_pieces, plan_messages
+from .replicas import Replicas
+from .sync import Exchanger
 
 logger = logging.getLogger("zero_ext")
 
@@ -52,32 +55,6 @@ class _ZeroJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         self.zero.step()
-
-
-class _OverlappedSends:
-    """gloo with bucket views: chunk k of every rank's range goes out as soon as this rank
-    has computed its own chunk k, while chunk k+1 computes. `finish` sends whatever was not
-    sent (after a local failure too: every rank must issue the same broadcasts)."""
-
-    def __init__(self, zero: "ZeroRedundancyOptimizer"):
-        self.regions = zero._chunk_regions()
-        self.pipe = zero._exchanger.pipeline()
-        self.sent = 0
-        self.comm = 0.0  # seconds spent issuing/waiting for broadcasts
-
-    def send(self, k: int) -> None:
-        t = time.perf_counter()
-        for j in range(self.sent, k + 1):
-            self.pipe.send(self.regions[j])
-        self.sent = k + 1
-        self.comm += time.perf_counter() - t
-
-    def finish(self) -> None:
-        if self.sent < len(self.regions):
-            self.send(len(self.regions) - 1)
-        t = time.perf_counter()
-        self.pipe.finish()
-        self.comm += time.perf_counter() - t
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -148,23 +125,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Joinable.__init__(self)
         # Every param in group order (torch's ZeRO has this attribute; code in the wild reads it).
         self._all_params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
-        self._exchanger = Exchanger(self.process_group, self.rank, self.world_size)
+        self._replicas = Replicas(Exchanger(self.process_group, self.rank, self.world_size),
+                                  self.parameters_as_bucket_view)
         self._consolidated: dict | None = None
         # seconds of the last step: local update, time waiting for the exchange, total
         self.last_step_timings: dict[str, float] = {}
-        self._buffers: dict[int, torch.Tensor] = {}   # bucket index -> flat buffer (views on)
-        self._messages: dict = {}  # piece-exchange plans by active set (no bucket views)
-        self._expected_ptrs: list = []  # where every param's memory must be (see _refresh)
         self._stepper: FusedShardStep | None = None  # built at the first fused step
         self._fused_kernel_usable: bool | None = None
-        self._regions: list | None = None  # the exchange's regions per chunk (overlapped sync)
 
         self.plan = self._new_plan(self._resolve_sharding(sharding))
         self.sharding = self.plan.sharding
         self._trainable = self._trainable_mask()  # what the bucket views were built for
         self.optim = optimizer_class(self._local_groups(), **defaults)
         self._adopt_optimizer_defaults()
-        self._record_param_memory()
         self._initialized = True
 
     # ------------------------------------------------------------------ construction
@@ -193,34 +166,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         plan = layout.ShardPlan(sharding, self.world_size, self.rank,
                                 self.parameters_as_bucket_view, self._all_params,
                                 self._group_ids(), layout.find_aliases(self._all_params))
-        self._buffers = {}
         plan.add_generation(list(range(len(self._all_params))), initial=True)
-        self._attach_new_buffers(plan)
-        plan.bind_local()
-        plan.chunks = self._chunks_per_step(plan)
-        self._invalidate_plans()
+        self.plan = plan
+        self._layout_changed(fresh_buffers=True)
         return plan
 
     def _trainable_mask(self) -> list[bool]:
         return [p.requires_grad for p in self._all_params]
 
-    def _frozen_outside_buckets(self) -> bool:
-        """Param mode with bucket views keeps frozen params out of the buffers."""
-        return self.sharding == layout.PARAM and self.parameters_as_bucket_view
-
-    def _rebuild_bucket_views(self) -> None:
-        """Param mode with bucket views, after params were frozen or unfrozen."""
-        self.plan.rebuild_buckets()
-        self._buffers = {}
-        self._attach_new_buffers(self.plan)
-        self.plan.bind_local()
-        self._invalidate_plans()
-        self._record_param_memory()
-
-    def _attach_new_buffers(self, plan: layout.ShardPlan) -> None:
-        if self.parameters_as_bucket_view:
-            for bi in range(len(self._buffers), len(plan.buckets)):
-                self._attach_buffer(plan, bi)
 
     def _adopt_optimizer_defaults(self) -> None:
         """Every key optimizer_class put into its groups (betas, eps, amsgrad, ...) also in
@@ -232,25 +185,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             for k, v in lg.items():
                 if k != "params":
                     g.setdefault(k, v)
-
-    def _attach_buffer(self, plan: layout.ShardPlan, bi: int) -> None:
-        """Bucket views: the flat buffer of bucket `bi`, filled from the params' current
-        values; the params become views into it (params over another's memory follow)."""
-        b = plan.buckets[bi]
-        tensors = [self._all_params[i].detach() for i in b.param_ids]
-        buf = torch.empty(b.numel, dtype=b.dtype, device=b.device)
-        kernels.flatten_into(tensors, buf, b.offsets)
-        ends = [off + n for off, n in zip(b.offsets, b.numels)]
-        for gap_lo, gap_hi in zip(ends, b.offsets[1:] + [b.numel]):
-            if gap_hi > gap_lo:
-                buf[gap_lo:gap_hi].zero_()  # alignment padding: deterministic bytes
-        for pid, off, n in zip(b.param_ids, b.offsets, b.numels):
-            p = self._all_params[pid]
-            p.data = buf[off:off + n].view_as(p)
-        for i, first in plan.alias_of.items():
-            if first in b.param_ids:
-                self._all_params[i].data = self._all_params[first].data
-        self._buffers[bi] = buf
 
     def _local_groups(self) -> list[dict]:
         """One local group per global group (possibly empty), hyperparameters included."""
@@ -288,19 +222,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._stepper
 
     def _chunks_per_step(self, plan: layout.ShardPlan) -> int:
-        """Chunks pay off only when the exchange can overlap the compute (_overlapped) and
-        each is big enough to hide a collective's fixed cost. Decided from the mean share,
-        which every rank computes alike (the broadcast sequence must match)."""
-        if not self._overlapped():
+        """Chunks pay off only when the exchange can overlap the compute (gloo with bucket
+        views) and each is big enough to hide a collective's fixed cost. Decided from the
+        mean share, which every rank computes alike (the broadcast sequence must match)."""
+        if not self._replicas.overlapped:
             return 1
         mean_share = sum(b.numel for b in plan.buckets) // self.world_size
         return max(1, min(OVERLAP_CHUNKS, mean_share // OVERLAP_MIN_CHUNK_ELEMS))
-
-    def _overlapped(self) -> bool:
-        """gloo with bucket views: broadcast chunk k while chunk k+1 is computed. (On NCCL
-        one all_gather_into_tensor per bucket after the step is already the fast path.)"""
-        return (self.world_size > 1 and self.parameters_as_bucket_view
-                and self._exchanger.backend == "gloo")
 
     # ------------------------------------------------------------------ public API
 
@@ -354,17 +282,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self.optim.add_param_group(lg)
         else:
             self.plan.add_generation(ids, initial=False)
-            self._attach_new_buffers(self.plan)
-            self.plan.bind_local()
-            self._invalidate_plans()
+            self._layout_changed(fresh_buffers=False)
             hyper = {k: v for k, v in self.param_groups[gi].items() if k != "params"}
             self.optim.add_param_group({**hyper, "params": self.plan.local_keys(gi)})
         self._adopt_optimizer_defaults()
-        self._record_param_memory()
 
-    def _invalidate_plans(self) -> None:
-        self._stepper, self._regions, self._fused_kernel_usable = None, None, None
-        self._messages = {}
+    def _layout_changed(self, fresh_buffers: bool) -> None:
+        """After the plan gained buckets (add_param_group) or rebuilt them (trainable
+        params changed, bucket views): buffers, local pieces, chunks, cached step views."""
+        self.plan.chunks = self._chunks_per_step(self.plan)
+        self._replicas.adopt(self.plan, fresh=fresh_buffers)
+        self.plan.bind_local()  # after the bucket views: flat keys view the params' memory
+        self._stepper, self._fused_kernel_usable = None, None
 
     # ------------------------------------------------------------------ the step
 
@@ -378,18 +307,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         mask = self._trainable_mask()
         if mask != self._trainable:
             self._trainable = mask
-            if self._frozen_outside_buckets():
+            if self._replicas.frozen_outside_buckets:
                 logger.info("zero_ext: the trainable parameters changed; rebuilding buckets")
-                self._rebuild_bucket_views()
+                self.plan.rebuild_buckets()
+                self._layout_changed(fresh_buffers=True)
         error, loss = None, None
         t0 = time.perf_counter()
         # Decided from what every rank shares (all params, the groups, kwargs), so every
         # rank issues the same collectives whatever happens locally below.
         self._copy_hyperparameters(self.param_groups, self.optim.param_groups)
         use_fused = not kwargs and self._fused_step_supported()
-        sends = _OverlappedSends(self) if use_fused and self._overlapped() else None
+        replicas = self._replicas
+        sends = replicas.overlapped_sends() if use_fused and replicas.overlapped else None
         try:
-            self._refresh_params()
+            if replicas.refresh() and self._stepper is not None:
+                self._stepper.reset()  # cached views of moved params
             if use_fused:
                 if closure is not None:
                     with torch.enable_grad():
@@ -405,43 +337,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         mask_hash = hash(tuple(p.requires_grad for p in self._all_params)) & ((1 << 62) - 1)
         frozen_stepped, top, bottom = agree(
             self.process_group, self.world_size, error, "ZeroRedundancyOptimizer.step",
-            (int(self._stepped_a_frozen_param()), mask_hash, -mask_hash))
+            (int(replicas.stepped_a_frozen_param()), mask_hash, -mask_hash))
         if top != -bottom:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer.step: ranks disagree on which params require grad; "
                 "freeze and unfreeze params alike on every rank")
-        if sends is None:
-            self._sync_params(exchange_frozen=bool(frozen_stepped))
-        if frozen_stepped and self._frozen_outside_buckets() and self.world_size > 1:
-            self._exchange_frozen()
+        replicas.sync(exchange_frozen=bool(frozen_stepped), buffers_sent=sends is not None)
         self._copy_hyperparameters(self.optim.param_groups, self.param_groups)
         t2 = time.perf_counter()
         local = t1 - t0 - (sends.comm if sends else 0.0)
         self.last_step_timings = {"local": local, "comm": t2 - t0 - local, "total": t2 - t0}
         return loss
-
-    def _stepped_a_frozen_param(self) -> bool:
-        """Whether this rank's local step updated a param that does not require grad (a
-        torch optimizer steps any param holding a grad): it must then reach every rank."""
-        if self.parameters_as_bucket_view and not self._frozen_outside_buckets():
-            return False  # flat bucket views hold frozen params: always exchanged
-        return any(not p.requires_grad and p.grad is not None
-                   for p in self._all_params)
-
-    def _chunk_regions(self) -> list[list[tuple[torch.Tensor, int]]]:
-        """(region, owner) per chunk, for every rank's range of every bucket: the order of
-        the overlapped exchange. The generic step sends the same sequence, so ranks agree
-        on the collectives whichever step they took."""
-        if self._regions is None:
-            plan = self.plan
-            out: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(plan.chunks)]
-            for bi in range(len(plan.buckets)):
-                for r in range(self.world_size):
-                    for k, (a, z) in enumerate(plan.chunk_ranges(bi, r)):
-                        if z > a:
-                            out[k].append((self._buffers[bi][a:z], r))
-            self._regions = out
-        return self._regions
 
     def _generic_step(self, closure, **kwargs):
         if self._stepper is not None:
@@ -479,100 +385,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             for k, v in s.items():
                 if k != "params":
                     d[k] = v
-
-    # ------------------------------------------------------------------ params are the truth
-
-    def _expected_ptr(self, pid: int) -> int | None:
-        return self._expected_ptrs[pid] if pid < len(self._expected_ptrs) else None
-
-    def _record_param_memory(self) -> None:
-        """Remember where every param's memory is, to notice `p.data = ...` later."""
-        self._expected_ptrs = [p.data_ptr() if p.numel() else None for p in self._all_params]
-        self._expected_meta = [(p.shape, p.dtype, p.device) for p in self._all_params]
-
-    def _refresh_params(self) -> None:
-        """Follow params whose memory the script replaced since the last step
-        (`p.data = t`, `load_state_dict(..., assign=True)`): with bucket views their new
-        values are copied into the buffer and they view it again; in flat mode the local
-        optimizer's views are re-pointed (its state stays). Values written in place need
-        nothing: every step reads the params themselves."""
-        ptrs = [p.data_ptr() if p.numel() else None for p in self._all_params]
-        if ptrs == self._expected_ptrs:
-            return
-        changed = [i for i, (a, b) in enumerate(zip(ptrs, self._expected_ptrs)) if a != b]
-        for i in changed:
-            p = self._all_params[i]
-            if (p.shape, p.dtype, p.device) != self._expected_meta[i]:
-                raise ValueError(
-                    f"parameter {i} changed shape, dtype or device after the optimizer was "
-                    f"built ({self._expected_meta[i]} -> {(p.shape, p.dtype, p.device)}); "
-                    "build the optimizer after moving or casting the model")
-        known = {ptr: i for i, ptr in enumerate(ptrs) if ptr is not None and i not in changed}
-        for i in changed:
-            tied = self.plan.alias_of.get(i)
-            if tied is not None and ptrs[i] != ptrs[tied]:
-                raise ValueError(
-                    f"parameter {i} shared memory with parameter {tied} when the optimizer "
-                    "was built and no longer does; build the optimizer after tying weights")
-            other = known.get(ptrs[i])
-            if tied is None and other is not None and self.plan.alias_of.get(other) != i:
-                raise ValueError(
-                    f"parameter {i} now shares memory with parameter {other} (tied after the "
-                    "optimizer was built); tie weights before building the optimizer")
-        if self.parameters_as_bucket_view:
-            slot = {pid: (bi, off) for bi, b in enumerate(self.plan.buckets)
-                    for pid, off in zip(b.param_ids, b.offsets)}
-            for i in changed:
-                if i in self.plan.alias_of or i not in slot:
-                    continue  # follows its first alias / a frozen param outside the buffers
-                p, (bi, off) = self._all_params[i], slot[i]
-                view = self._buffers[bi][off:off + p.numel()].view_as(p)
-                view.copy_(p.detach())
-                p.data = view
-            for i, first in self.plan.alias_of.items():
-                self._all_params[i].data = self._all_params[first].data
-        else:
-            self.plan.rebind(set(changed))
-        if self._stepper is not None:
-            self._stepper.reset()
-        self._record_param_memory()
-
-    # ------------------------------------------------------------------ exchange
-
-    def _sync_params(self, exchange_frozen: bool = True) -> None:
-        """Send this rank's updated elements of every bucket to all ranks."""
-        if self.world_size == 1:
-            return
-        if self.parameters_as_bucket_view:
-            if self._overlapped():
-                pipe = self._exchanger.pipeline()
-                for regions in self._chunk_regions():
-                    pipe.send(regions)
-                pipe.finish()
-                return
-            self._exchanger.exchange_buffers(
-                [(self._buffers[bi], b.rank_ranges) for bi, b in enumerate(self.plan.buckets)])
-            return
-        # No bucket views: straight into the params, with bounded staging. Frozen params
-        # travel only when some rank stepped one (it held a grad).
-        key = (exchange_frozen, tuple(p.requires_grad for p in self._all_params))
-        if key not in self._messages:
-            active = (lambda pid: True) if exchange_frozen else (
-                lambda pid: self._all_params[pid].requires_grad)
-            self._messages[key] = plan_messages(self.plan.buckets, self.world_size, active)
-        exchange_pieces(self._exchanger, self._messages[key], self.plan.element_view)
-
-    def _exchange_frozen(self) -> None:
-        """Param mode with bucket views: the frozen params (outside the buffers) after a
-        step that updated one of them."""
-        frozen = [i for i, p in enumerate(self._all_params)
-                  if not p.requires_grad and i not in self.plan.alias_of]
-        key = ("frozen", tuple(frozen))
-        if key not in self._messages:
-            buckets = layout.param_mode_buckets(self._all_params, frozen, self.plan.owner,
-                                                self.world_size)
-            self._messages[key] = plan_messages(buckets, self.world_size, lambda pid: True)
-        exchange_pieces(self._exchanger, self._messages[key], self.plan.element_view)
 
     # ------------------------------------------------------------------ join
 

@@ -1,0 +1,225 @@
+"""Every rank's copy of the params: where their memory is, and how each owner's update
+reaches all ranks after the local step.
+
+- Bucket views (``parameters_as_bucket_view=True``): one flat buffer per bucket, the params
+  are views into it, and each rank's range is exchanged in place (overlapped with the
+  local step on gloo: chunk k goes out while chunk k+1 is computed).
+- No bucket views: the params keep their own memory, and the exchange moves each owner's
+  pieces straight into them with bounded staging (sync.exchange_pieces).
+- The params are the source of truth: nothing keeps a private copy of them, and memory the
+  script replaced (``p.data = t``, ``load_state_dict(..., assign=True)``) is followed at
+  the next step (`refresh`).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import kernels, layout
+from .sync import Exchanger, exchange_pieces, plan_messages
+
+
+class OverlappedSends:
+    """gloo with bucket views: chunk k of every rank's range goes out as soon as this rank
+    has computed its own chunk k, while chunk k+1 computes. `finish` sends whatever was not
+    sent (after a local failure too: every rank must issue the same broadcasts)."""
+
+    def __init__(self, regions: list, exchanger: Exchanger):
+        self.regions = regions
+        self.pipe = exchanger.pipeline()
+        self.sent = 0
+        self.comm = 0.0  # seconds spent issuing/waiting for broadcasts
+
+    def send(self, k: int) -> None:
+        t = time.perf_counter()
+        for j in range(self.sent, k + 1):
+            self.pipe.send(self.regions[j])
+        self.sent = k + 1
+        self.comm += time.perf_counter() - t
+
+    def finish(self) -> None:
+        if self.sent < len(self.regions):
+            self.send(len(self.regions) - 1)
+        t = time.perf_counter()
+        self.pipe.finish()
+        self.comm += time.perf_counter() - t
+
+
+class Replicas:
+    """The params of one ZeroRedundancyOptimizer as every rank holds them."""
+
+    def __init__(self, exchanger: Exchanger, bucket_view: bool):
+        self.ex = exchanger
+        self.bucket_view = bucket_view
+        self.plan: layout.ShardPlan | None = None
+        self.buffers: dict[int, torch.Tensor] = {}  # bucket index -> flat buffer
+        self._messages: dict = {}  # piece-exchange plans by active set (no bucket views)
+        self._regions: list | None = None  # overlapped exchange: regions per chunk
+        self._ptrs: list = []  # where every param's memory was at the last check
+        self._meta: list = []
+
+    @property
+    def overlapped(self) -> bool:
+        """gloo with bucket views: broadcast chunk k while chunk k+1 is computed. (On NCCL
+        one all_gather_into_tensor per bucket after the step is already the fast path.)"""
+        return self.ex.world > 1 and self.bucket_view and self.ex.backend == "gloo"
+
+    @property
+    def frozen_outside_buckets(self) -> bool:
+        """Param mode with bucket views keeps frozen params out of the buffers."""
+        return self.bucket_view and self.plan.sharding == layout.PARAM
+
+    # ---------------------------------------------------------------- layout changes
+
+    def adopt(self, plan: layout.ShardPlan, fresh: bool) -> None:
+        """Follow `plan` after a layout change: bucket views for its new buckets (all of
+        them when `fresh`: a new plan, or buckets rebuilt), plans of the exchange reset."""
+        self.plan = plan
+        if fresh:
+            self.buffers = {}
+        if self.bucket_view:
+            for bi in range(len(self.buffers), len(plan.buckets)):
+                self._attach_buffer(bi)
+        self._messages, self._regions = {}, None
+        self.record()
+
+    def _attach_buffer(self, bi: int) -> None:
+        """The flat buffer of bucket `bi`, filled from the params' current values; the
+        params become views into it (params over another's memory follow)."""
+        plan = self.plan
+        b = plan.buckets[bi]
+        params = plan.params
+        buf = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+        kernels.flatten_into([params[i].detach() for i in b.param_ids], buf, b.offsets)
+        ends = [off + n for off, n in zip(b.offsets, b.numels)]
+        for gap_lo, gap_hi in zip(ends, b.offsets[1:] + [b.numel]):
+            if gap_hi > gap_lo:
+                buf[gap_lo:gap_hi].zero_()  # alignment padding: deterministic bytes
+        for pid, off, n in zip(b.param_ids, b.offsets, b.numels):
+            params[pid].data = buf[off:off + n].view_as(params[pid])
+        for i, first in plan.alias_of.items():
+            if first in b.param_ids:
+                params[i].data = params[first].data
+        self.buffers[bi] = buf
+
+    # ---------------------------------------------------------------- params are the truth
+
+    def record(self) -> None:
+        """Remember where every param's memory is, to notice `p.data = ...` later."""
+        params = self.plan.params
+        self._ptrs = [p.data_ptr() if p.numel() else None for p in params]
+        self._meta = [(p.shape, p.dtype, p.device) for p in params]
+
+    def refresh(self) -> bool:
+        """Follow params whose memory the script replaced since the last step: with bucket
+        views their new values are copied into the buffer and they view it again; in flat
+        mode the local optimizer's views are re-pointed (their state stays). Values written
+        in place need nothing: every step reads the params themselves. Returns whether
+        anything moved (cached views of the params are then stale)."""
+        plan = self.plan
+        params = plan.params
+        ptrs = [p.data_ptr() if p.numel() else None for p in params]
+        if ptrs == self._ptrs:
+            return False
+        changed = [i for i, (a, b) in enumerate(zip(ptrs, self._ptrs)) if a != b]
+        for i in changed:
+            p = params[i]
+            if (p.shape, p.dtype, p.device) != self._meta[i]:
+                raise ValueError(
+                    f"parameter {i} changed shape, dtype or device after the optimizer was "
+                    f"built ({self._meta[i]} -> {(p.shape, p.dtype, p.device)}); "
+                    "build the optimizer after moving or casting the model")
+        known = {ptr: i for i, ptr in enumerate(ptrs) if ptr is not None and i not in changed}
+        for i in changed:
+            tied = plan.alias_of.get(i)
+            if tied is not None and ptrs[i] != ptrs[tied]:
+                raise ValueError(
+                    f"parameter {i} shared memory with parameter {tied} when the optimizer "
+                    "was built and no longer does; build the optimizer after tying weights")
+            other = known.get(ptrs[i])
+            if tied is None and other is not None and plan.alias_of.get(other) != i:
+                raise ValueError(
+                    f"parameter {i} now shares memory with parameter {other} (tied after the "
+                    "optimizer was built); tie weights before building the optimizer")
+        if self.bucket_view:
+            slot = {pid: (bi, off) for bi, b in enumerate(plan.buckets)
+                    for pid, off in zip(b.param_ids, b.offsets)}
+            for i in changed:
+                if i in plan.alias_of or i not in slot:
+                    continue  # follows its first alias / a frozen param outside the buffers
+                p, (bi, off) = params[i], slot[i]
+                view = self.buffers[bi][off:off + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+            for i, first in plan.alias_of.items():
+                params[i].data = params[first].data
+        else:
+            plan.rebind(set(changed))
+        self.record()
+        return True
+
+    # ---------------------------------------------------------------- exchange
+
+    def chunk_regions(self) -> list[list[tuple[torch.Tensor, int]]]:
+        """(region, owner) per chunk, for every rank's range of every bucket: the order of
+        the overlapped exchange (the generic step sends the same sequence)."""
+        if self._regions is None:
+            plan = self.plan
+            out: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(plan.chunks)]
+            for bi in range(len(plan.buckets)):
+                for r in range(plan.world_size):
+                    for k, (a, z) in enumerate(plan.chunk_ranges(bi, r)):
+                        if z > a:
+                            out[k].append((self.buffers[bi][a:z], r))
+            self._regions = out
+        return self._regions
+
+    def overlapped_sends(self) -> OverlappedSends:
+        return OverlappedSends(self.chunk_regions(), self.ex)
+
+    def stepped_a_frozen_param(self) -> bool:
+        """Whether a param that does not require grad holds a grad (a torch optimizer steps
+        it): its update must then reach every rank."""
+        if self.bucket_view and not self.frozen_outside_buckets:
+            return False  # flat bucket views hold frozen params: always exchanged
+        return any(not p.requires_grad and p.grad is not None for p in self.plan.params)
+
+    def sync(self, exchange_frozen: bool, buffers_sent: bool = False) -> None:
+        """Send this rank's updated elements of every bucket to all ranks (`buffers_sent`:
+        the overlapped local step already sent the bucket buffers)."""
+        plan = self.plan
+        if plan.world_size == 1:
+            return
+        if self.bucket_view:
+            if buffers_sent:
+                pass
+            elif self.overlapped:
+                self.overlapped_sends().finish()
+            else:
+                self.ex.exchange_buffers([(self.buffers[bi], b.rank_ranges)
+                                          for bi, b in enumerate(plan.buckets)])
+            if exchange_frozen and self.frozen_outside_buckets:
+                self._exchange_frozen()
+            return
+        # No bucket views: straight into the params, with bounded staging. Frozen params
+        # travel only when some rank stepped one (it held a grad).
+        key = (exchange_frozen, tuple(p.requires_grad for p in plan.params))
+        if key not in self._messages:
+            active = (lambda pid: True) if exchange_frozen else (
+                lambda pid: plan.params[pid].requires_grad)
+            self._messages[key] = plan_messages(plan.buckets, plan.world_size, active)
+        exchange_pieces(self.ex, self._messages[key], plan.element_view)
+
+    def _exchange_frozen(self) -> None:
+        """Param mode with bucket views: the frozen params (outside the buffers) after a
+        step that updated one of them."""
+        plan = self.plan
+        frozen = [i for i, p in enumerate(plan.params)
+                  if not p.requires_grad and i not in plan.alias_of]
+        key = ("frozen", tuple(frozen))
+        if key not in self._messages:
+            buckets = layout.param_mode_buckets(plan.params, frozen, plan.owner,
+                                                plan.world_size)
+            self._messages[key] = plan_messages(buckets, plan.world_size, lambda pid: True)
+        exchange_pieces(self.ex, self._messages[key], plan.element_view)

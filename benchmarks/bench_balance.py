@@ -19,7 +19,7 @@ Params are in the optimizer's global order: group 0 = 2-D weights (embeddings in
 weight_decay 0.1), group 1 = 1-D params (biases, LayerNorm; 0.0), each in model order.
 "max state MB" is the heaviest rank's AdamW state (exp_avg + exp_avg_sq, fp32: 8 bytes per
 element). The target checked at the end: flat sharding at world 8 on GPT-2 small <= 1.01
-(torch's rule: 2.481, DESIGN.md section 5). Exit status 1 when a check fails.
+(torch's rule: 2.481, docs/design.md section 10). Exit status 1 when a check fails.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ for _p in (_ROOT, _HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-# torch's rule on these shapes, as printed in DESIGN.md section 5 (max/mean).
+# torch's rule on these shapes, as printed in docs/design.md section 10 (max/mean).
 DESIGN_TORCH = {("small", 2): "1.000", ("small", 4): "1.241", ("small", 8): "2.481",
                 ("small", 16): "4.963", ("small", 64): "19.85",
                 ("medium", 2): "1.000", ("medium", 4): "1.005", ("medium", 8): "1.160",
@@ -132,11 +132,11 @@ def main(argv=None) -> int:
             if a_ratio + 1e-12 < bound:
                 failures.append(f"assign_params below the whole-param bound?! {model} w{world}")
             ref = DESIGN_TORCH.get((model, world))
-            # Agree with DESIGN.md's figure within half a unit of its last printed digit.
+            # Agree with the design doc's figure within half a unit of its last printed digit.
             if ref is not None and abs(t_ratio - float(ref)) > \
                     0.5 * 10.0 ** -len(ref.split(".")[1]) + 1e-9:
                 failures.append(f"torch rule {model} world {world}: {t_ratio:.4f}, "
-                                f"DESIGN.md says {ref}")
+                                f"docs/design.md says {ref}")
     print_table("max rank load / mean rank load (1.0000 is perfect):", header, rows)
     print()
     target = results.get(("small", 8))

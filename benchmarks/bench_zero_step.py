@@ -37,7 +37,7 @@ its medians are printed beside these limits.
 Threads: the machine this was written on has 2 cores; every rank calls
 torch.set_num_threads(max(1, cores // world)) (override with --threads). At world 3 and 4 the
 ranks therefore oversubscribe 2 cores, which all configs suffer alike; compare ratios within
-one run only (DESIGN.md section 6).
+one run only (docs/design.md section 10).
 
 Memory (full size, per process; one fp32 copy of the model is 498 MB; state is
 exp_avg + exp_avg_sq, 2 * 498 / world MB per config when balanced, up to 2 * 154 MB for the

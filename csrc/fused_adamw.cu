@@ -4,7 +4,8 @@
 // Host: validates every segment, then packs the metadata into one pinned buffer that is
 // copied to the device once (per call): a group table, one record per non-empty segment
 // (pointers, numel, flags and, when the steps are on the CPU, the segment's float scalars
-// already computed in double as DESIGN.md §7 says), and one (segment, chunk) record per block.
+// already computed in double, see docs/design.md, "AdamW arithmetic"), and one (segment,
+// chunk) record per block.
 // Device: each block handles one chunk of kChunk elements of one segment; thread 0 fetches
 // (or, for device-resident steps, computes) the scalars into shared memory; the element loop
 // uses 4-wide vector loads when the segment's pointers are aligned, fp32 math, and stores the
@@ -126,7 +127,7 @@ __device__ __forceinline__ void store4(T* ptr, const float (&r)[kVec]) {
   *reinterpret_cast<V*>(ptr) = raw;
 }
 
-// One element, DESIGN.md §7; vmax only read/written when AMS.
+// One element (docs/design.md, "AdamW arithmetic"); vmax only read/written when AMS.
 template <bool AMS>
 __device__ __forceinline__ void adamw_element(float& p, float g, float& m, float& v, float& vmax,
                                               const Scalars& c, float grad_div) {

@@ -6,8 +6,8 @@
 // equal numbers of elements whatever the mix of tensor sizes and groups (no parallel region
 // per tensor, no per-group launch). Each thread walks the segments its range overlaps.
 //
-// Arithmetic follows DESIGN.md §7: per-segment scalars in double, cast to float once; per
-// element fp32 math, state stored in the param dtype or in fp32.
+// Arithmetic as in docs/design.md, "AdamW arithmetic": per-segment scalars in double, cast
+// to float once; per element fp32 math, state stored in the param dtype or in fp32.
 //
 // Vectorization: fp32 params with fp32 state (the common case) run one pass of explicit
 // AVX-512 or AVX2 vectors, chosen at run time. The other dtype mixes (bf16/fp16 params, state
@@ -130,7 +130,7 @@ ZX_INLINE void from_f(f16_t* dst, float v) {
   dst->x = uint16_t(out | sign);
 }
 
-// Float scalars of one segment, computed once in double (DESIGN.md §7).
+// Float scalars of one segment, computed once in double (docs/design.md, "AdamW arithmetic").
 struct Scalars {
   float decay;       // 1 - lr * wd
   float lerp_w;      // weight of lerp(m, g, 1 - beta1), as torch's lerp uses it

@@ -1,8 +1,9 @@
 """zero_ext.fused_adamw_ (kernel vs reference) and zero_ext.FusedAdamW (vs torch.optim.AdamW).
 
 Tolerances (explicit, per dtype):
-- float32: atol 1e-6, rtol 1e-5 after 20 steps against torch.optim.AdamW (DESIGN.md §7: the
-  kernels round like torch's for-loop up to fused multiply-adds, i.e. in the last ulp).
+- float32: atol 1e-6, rtol 1e-5 after 20 steps against torch.optim.AdamW (docs/design.md,
+  "AdamW arithmetic": the kernels round like torch's for-loop up to fused multiply-adds, i.e.
+  in the last ulp).
 - bfloat16 / float16 params: the kernel computes in fp32 and rounds once per store, like
   torch's fused AdamW; against that (or the reference) we allow 2 ulps of the storage dtype
   per step compared (bf16: rtol 1.6e-2, fp16: rtol 2e-3, atol 1e-5), because a different

@@ -20,12 +20,13 @@ optimizers that are not elementwise; flat AdamW on the pure-PyTorch fallback
 (ZERO_EXT_REFERENCE=1 set inside one extra world of 2 ranks).
 
 Tolerances. fp32: atol=1e-6, rtol=1e-5 over 10-12 steps; the fused kernel may round
-differently from torch's for-loop in the last ulp per step (DESIGN.md §7), while any real
-error (a wrong lr or weight decay for a piece of a split param, a step count off by one, a
-missed bias correction, a stale or misplaced range after the sync) is orders of magnitude
-larger. bf16 params: atol=2e-2, rtol=1.6e-2 after 10 steps of lr 1e-2 (each step moves a
-param by about lr, several bf16 ulps at |p|~0.5; torch's reference rounds every
-intermediate to bf16), together with a check that the bf16 params really moved.
+differently from torch's for-loop in the last ulp per step (docs/design.md, "AdamW
+arithmetic"), while any real error (a wrong lr or weight decay for a piece of a split param,
+a step count off by one, a missed bias correction, a stale or misplaced range after the
+sync) is orders of magnitude larger. bf16 params: atol=2e-2, rtol=1.6e-2 after 10 steps of
+lr 1e-2 (each step moves a param by about lr, several bf16 ulps at |p|~0.5; torch's
+reference rounds every intermediate to bf16), together with a check that the bf16 params
+really moved.
 """
 from __future__ import annotations
 

@@ -7,9 +7,10 @@ tests check, per rank, that the params match the plain optimizer and that every 
 bitwise-identical params.
 
 Tolerances (fp32): atol=1e-6, rtol=1e-6 after 12-15 steps.  The fused AdamW path may round
-differently from torch's for-loop in the last ulp per step (DESIGN.md §7), so the comparison is
-not bitwise; anything wrong in the update (a group's lr or weight_decay not applied, a step
-count off by one, a missed bias correction) is orders of magnitude above it.
+differently from torch's for-loop in the last ulp per step (docs/design.md, "AdamW
+arithmetic"), so the comparison is not bitwise; anything wrong in the update (a group's lr or
+weight_decay not applied, a step count off by one, a missed bias correction) is orders of
+magnitude above it.
 bf16 params: atol=2e-2, rtol=1.6e-2 after 10 steps of lr 1e-2 (each step moves a param by about
 lr, i.e. several bf16 ulps at |p|~0.5; torch's reference rounds every intermediate to bf16).
 """

@@ -207,7 +207,7 @@ def _file_lock(path: str):
 def _build(kwargs, cuda, build_dir, library, stamp_file, key):
     what = "CPU/CUDA" if cuda else "CPU"
     _say(f"building native ops for {what}, first use only, about "
-         f"{'5-7 minutes' if cuda else '1-2 minutes'} on 2 cores (MAX_JOBS={os.environ['MAX_JOBS']}); "
+         f"{'4-7 minutes' if cuda else '1-3 minutes'} on 2 cores (MAX_JOBS={os.environ['MAX_JOBS']}); "
          f"cache: {build_dir}")
     t0 = time.monotonic()
     cpp_extension = _import_cpp_extension(cuda)  # slow import; only needed to build

@@ -378,6 +378,39 @@ for _m, _b in MODES[:4]:
     SD_FIRST_NAMES.append(_fn.__name__)
 
 
+def _roundtrip(ctx, cls, kw, mode, bv):
+    """Mid-training: consolidate, then load the state dict back into the ZeRO optimizer and
+    into a fresh plain optimizer, which replaces the reference; both keep training alike."""
+    if AGAINST_TORCH and mode != "param":
+        return None
+    shapes = [(17,), (4, 3, 2), (17,), (64,), (31,), (3, 5)]
+    pz = make_params(shapes, seed=21)
+    pr = clones(pz)
+    groups = lambda ps: [{"params": [ps[i] for i in (0, 2, 3, 4)], "weight_decay": 0.01},  # noqa: E731
+                         {"params": [ps[1], ps[5]], "lr": 0.02}]
+    opt = make_zero(groups(pz), cls, ctx.pg, **_zk(mode, bv), **kw)
+    ref = cls(groups(pr), **kw)
+    _train(opt, ref, pz, pr, 2)
+    opt.consolidate_state_dict(0)
+    sd = _broadcast_obj(opt.state_dict() if ctx.rank == 0 else None, ctx)
+    opt.load_state_dict(sd)
+    ref = cls(groups(pr), **kw)
+    ref.load_state_dict(sd)
+    _train(opt, ref, pz, pr, 4, start=2)
+    return _snap(pz, pr)
+
+
+ROUNDTRIP_NAMES = []
+for _cname, _cls, _kw in (("sgd", SGD, SGD_KW), ("adamw", AdamW, ADAMW_KW)):
+    for _m, _b in MODES:
+        def _fn(ctx, _cls=_cls, _kw=_kw, _m=_m, _b=_b):
+            return _roundtrip(ctx, _cls, _kw, _m, _b)
+        _fn.__name__ = _fn.__qualname__ = f"state_dict_round_trip_{_cname}_{_mode_id(_m, _b)}"
+        globals()[_fn.__name__] = _fn
+        SC.scenario()(_fn)
+        ROUNDTRIP_NAMES.append(_fn.__name__)
+
+
 # ============================================================================================
 # (5) a generic step between fused ones: the step counts (bias correction) stay right
 
@@ -772,6 +805,14 @@ def test_state_dict_before_first_step(world, name, request):
     _check(vals)
     for g, lr in zip(vals[0]["sd_groups"], (1e-2, 3e-3)):
         assert g["betas"] == (0.9, 0.999) and g["lr"] == lr and g["eps"] == 1e-8, g
+
+
+@pytest.mark.parametrize("name", ROUNDTRIP_NAMES)
+def test_state_dict_round_trip_mid_training(world, name, request):
+    """consolidate -> state_dict -> load into ZeRO and into a fresh plain optimizer: both go
+    on training exactly as before (state mapped to the right params, right shapes)."""
+    _against_torch(request, name, world.world_size)
+    _check(_values(world, name))
 
 
 @pytest.mark.parametrize("name", GENERIC_NAMES)

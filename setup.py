@@ -103,7 +103,7 @@ setup(
     name="zero_ext",
     version="0.1.0",
     description="A faster, balanced drop-in for torch.distributed.optim.ZeroRedundancyOptimizer",
-    packages=["zero_ext", "zero_ext.kernels"],
+    packages=["zero_ext", "zero_ext.kernels", "zero_ext.checkpoint"],
     python_requires=">=3.9",
     # Same lists as requirements.txt / requirements-test.txt, without the torch pin (any
     # recent torch; the compiled ops are built against the one installed).

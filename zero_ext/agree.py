@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .groups import digest, first_difference
+
 
 def _flag_device(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
@@ -55,8 +57,6 @@ def agree_on_inputs(group, world_size: int, error: BaseException | None, lines: 
                     what: str) -> None:
     """Construction / add_param_group: `agree` on local validation, and check that every
     rank describes the same params, groups and hyperparameters (`lines`, one per item)."""
-    from .groups import digest, first_difference
-
     d = int(digest(lines)[:15], 16)  # 60 bits of the description's hash
     if world_size == 1:
         agree(group, world_size, error, what)

@@ -52,6 +52,23 @@ class StepLayout:
     chunks: Sequence[Sequence[Segment]]
 
 
+def hparams_row(optimizer_class, group: Dict[str, Any]) -> List[float]:
+    """The kernel's 7 columns (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize) for a
+    group of ``optimizer_class``; tensor lr is read with ``float()``. Raises ValueError for a
+    group the fused kernel cannot compute (see fused_adamw.fused_path_supported)."""
+    if optimizer_class is torch.optim.Adam:
+        wd = float(group.get("weight_decay", 0.0))
+        if wd != 0 and not group.get("decoupled_weight_decay", False):
+            raise ValueError("Adam with L2 weight_decay (decoupled_weight_decay=False) is not "
+                             "the fused AdamW update; use weight_decay=0 or AdamW")
+    else:
+        wd = float(group.get("weight_decay", 1e-2))
+    beta1, beta2 = group.get("betas", (0.9, 0.999))
+    return [float(group.get("lr", 1e-3)), float(beta1), float(beta2),
+            float(group.get("eps", 1e-8)), wd, float(bool(group.get("amsgrad", False))),
+            float(bool(group.get("maximize", False)))]
+
+
 def whole_params_layout(param_groups: Sequence[Dict[str, Any]]) -> StepLayout:
     """Every param of every group as one segment of one chunk (a plain optimizer)."""
     params = [p for g in param_groups for p in g["params"]]
@@ -118,8 +135,6 @@ class AdamWEngine:
              layout: Optional[StepLayout] = None, grad_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None,
              after_chunk: Optional[Callable[[int], None]] = None) -> None:
-        from .fused_adamw import hparams_row
-
         plan = self._plan
         key = self._key(param_groups, state)
         auto = layout is None

@@ -10,12 +10,12 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import Tensor
 
-from .engine import AdamWEngine
+from .engine import AdamWEngine, hparams_row  # noqa: F401 (public here too)
 
 __all__ = ["FusedAdamW", "fused_path_supported", "hparams_row"]
 
@@ -70,23 +70,6 @@ def fused_path_supported(optimizer_class, defaults_or_group: Dict[str, Any]) -> 
     elif not d.get("decoupled_weight_decay", True):
         return False  # an AdamW group edited into L2 mode
     return True
-
-
-def hparams_row(optimizer_class, group: Dict[str, Any]) -> List[float]:
-    """The kernel's 7 columns (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize) for a
-    group of ``optimizer_class``; tensor lr is read with ``float()``. Raises ValueError for a
-    group the fused kernel cannot compute (see :func:`fused_path_supported`)."""
-    if optimizer_class is torch.optim.Adam:
-        wd = float(group.get("weight_decay", 0.0))
-        if wd != 0 and not group.get("decoupled_weight_decay", False):
-            raise ValueError("Adam with L2 weight_decay (decoupled_weight_decay=False) is not "
-                             "the fused AdamW update; use weight_decay=0 or AdamW")
-    else:
-        wd = float(group.get("weight_decay", 1e-2))
-    beta1, beta2 = group.get("betas", (0.9, 0.999))
-    return [float(group.get("lr", 1e-3)), float(beta1), float(beta2),
-            float(group.get("eps", 1e-8)), wd, float(bool(group.get("amsgrad", False))),
-            float(bool(group.get("maximize", False)))]
 
 
 def _validate_hparams(lr, betas, eps, weight_decay, where: str = "") -> None:

@@ -13,6 +13,8 @@ from typing import Any, Iterable
 
 import torch
 
+from .fused_adamw import FusedAdamW
+
 _SET_TYPES = (set, frozenset)
 
 
@@ -94,10 +96,6 @@ def normalize_param_groups(params: Any) -> list[dict]:
 def _known_optimizer(optimizer_class: type) -> bool:
     if optimizer_class.__module__.startswith("torch.optim"):
         return True
-    try:
-        from .fused_adamw import FusedAdamW
-    except ImportError:  # pragma: no cover - FusedAdamW is part of the package
-        return False
     return issubclass(optimizer_class, FusedAdamW)
 
 

@@ -27,6 +27,7 @@ import torch
 
 from . import layout
 from .agree import agree
+from .fused_adamw import FusedAdamW
 from .sync import gather_objects, recv_segments, send_segments
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -248,8 +249,6 @@ def required_state_keys(optimizer_class: type, group: dict) -> tuple[str, ...]:
     """Per-param state keys without which `optimizer_class` cannot step (its own
     load_state_dict accepts anything and fails only at the next step). Empty when unknown:
     SGD, for one, starts a missing momentum buffer afresh, as torch does."""
-    from .fused_adamw import FusedAdamW
-
     if isinstance(optimizer_class, type) and issubclass(
             optimizer_class, (torch.optim.Adam, torch.optim.AdamW, FusedAdamW)):
         return _ADAM_KEYS + (("max_exp_avg_sq",) if group.get("amsgrad") else ())

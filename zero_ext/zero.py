@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from . import groups as groups_mod
 from . import kernels, layout, state
 from .agree import agree, agree_on_inputs
+from .fused_adamw import FusedAdamW, fused_path_supported
 from .local_step import FusedShardStep
 from .replicas import Replicas
 from .sync import Exchanger
@@ -38,8 +39,6 @@ OVERLAP_MIN_CHUNK_ELEMS = 1 << 21  # below ~8 MB a chunk's broadcast costs more 
 
 
 def is_elementwise(optimizer_class: type) -> bool:
-    from .fused_adamw import FusedAdamW
-
     if isinstance(optimizer_class, type) and issubclass(optimizer_class, FusedAdamW):
         return True
     return (getattr(optimizer_class, "__module__", "").startswith("torch.optim")
@@ -197,8 +196,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _fused_step_supported(self) -> bool:
         """The chunked fused AdamW replaces optimizer_class's step when it computes the same
         update and a compiled kernel exists for the params' devices."""
-        from .fused_adamw import FusedAdamW, fused_path_supported
-
         cls = self.optimizer_class
         if issubclass(cls, FusedAdamW) or not issubclass(cls, (torch.optim.Adam,
                                                                torch.optim.AdamW)):

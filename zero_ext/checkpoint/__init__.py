@@ -1,0 +1,211 @@
+"""Sharded, atomic, elastic checkpoints of zero_ext.ZeroRedundancyOptimizer.
+
+    from zero_ext import checkpoint
+    checkpoint.save(opt, "ckpt/optim")   # every rank writes only its own state
+    checkpoint.load(opt, "ckpt/optim")   # any world size, either sharding mode
+
+    python -m zero_ext.checkpoint convert ckpt/optim optim.pt   # -> plain torch format
+    python -m zero_ext.checkpoint info ckpt/optim
+
+Layout on disk: one torch.distributed.checkpoint (DCP, filesystem storage) directory. Every
+per-element state tensor (exp_avg, ...) of every param is stored as 1-D chunks under the key
+"state/<param index>/<name>/<first element>": each rank writes the chunks of the elements
+it owns, cut at multiples of SAVE_CHUNK elements inside the param so that no stored item is
+bigger than that. Other tensors with dims (param mode only, e.g. factored statistics) are
+stored whole as "state/<param index>/<name>/whole". Next to DCP's own ".metadata", rank 0
+writes META_NAME: the params' shapes/dtypes/groups, the group hyperparameters, the scalar
+state (step, ...) and the map of chunks. Nothing is ever gathered: save sends only that small
+description to rank 0, load reads on each rank exactly the element ranges it owns now.
+
+Atomicity: save writes into "<path>.zero_ext-tmp", then rank 0 renames the previous
+checkpoint to "<path>.zero_ext-old", the new one to <path>, and deletes the old one. A save
+interrupted at any point leaves a complete checkpoint at <path> (or, between the two renames,
+at "<path>.zero_ext-old", which load and the next save recover).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .. import state
+from ..agree import agree
+from ..sync import gather_objects
+from .format import (FORMAT, META_NAME, OLD_SUFFIX, SAVE_CHUNK, TMP_SUFFIX,  # noqa: F401
+                     VERSION, _build_meta, _dtype, _existing, _mismatches, _save_items,
+                     is_checkpoint, read_meta)
+from .reader import _plan_load, _quiet_single_process, _read, _Reads, _zero_gaps
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..zero import ZeroRedundancyOptimizer
+
+# Read stored elements straight from the file into the optimizer's new state tensors when the
+# stored item is a plain uncompressed tensor record (else DCP's reader: torch.load the whole
+# item, then copy the needed part).
+DIRECT_READS = os.environ.get("ZERO_EXT_CKPT_DIRECT_READS", "1") == "1"
+
+# Test hook: called on rank 0 with the final path after the new checkpoint is complete in the
+# temporary directory and before it is swapped into place (raising here simulates a crash).
+_before_swap: Callable[[str], None] | None = None
+
+__all__ = ["save", "load", "load_full", "convert", "is_checkpoint", "read_meta", "main"]
+
+
+def _agree(opt, error: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed (one small collective), and raises."""
+    agree(opt.process_group, opt.world_size, error, what, peer_value_error=True)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _prepare(path: str, tmp: str, old: str) -> None:
+    """Rank 0, before a save: recover an interrupted swap, clear leftovers, make tmp."""
+    if not os.path.lexists(path) and is_checkpoint(old):
+        os.rename(old, path)  # a previous save died between its two renames
+    if os.path.lexists(path) and not is_checkpoint(path) and not (
+            os.path.isdir(path) and not os.listdir(path)):
+        raise ValueError(f"zero_ext.checkpoint.save: {path} exists and is not a zero_ext "
+                         "optimizer checkpoint; refusing to replace it")
+    for leftover in (tmp, old):
+        if os.path.lexists(leftover):
+            shutil.rmtree(leftover) if os.path.isdir(leftover) else os.remove(leftover)
+    os.makedirs(tmp)
+
+
+def _swap(path: str, tmp: str, old: str) -> None:
+    """Rank 0: the complete checkpoint in `tmp` replaces `path`."""
+    if os.path.lexists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+    if os.path.lexists(old):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
+         sync_files: bool = True) -> None:
+    """Write the optimizer's state to the directory `path`, every rank its own share.
+
+    Collective: call on every rank of the optimizer's process group, with the same path on a
+    filesystem they share. No rank gathers the state. Atomic: if this raises or the job dies,
+    the previous checkpoint at `path` is still there, complete. `sync_files` fsyncs the files.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    opt = optimizer
+    path = os.path.abspath(os.fspath(path))
+    tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
+    error, items, desc = None, {}, {}
+    try:
+        if opt.rank == 0:
+            _prepare(path, tmp, old)
+        items, desc = _save_items(opt, state.local_state(opt))
+    except Exception as exc:  # noqa: BLE001 - shared with every rank below
+        error = exc
+    _agree(opt, error, "zero_ext.checkpoint.save")
+
+    with _quiet_single_process():
+        dcp.save(items, storage_writer=dcp.FileSystemWriter(tmp, sync_files=sync_files),
+                 process_group=opt.process_group, no_dist=opt.process_group is None)
+    descs = gather_objects(desc, 0, opt.process_group, opt.world_size)
+    error = None
+    if opt.rank == 0:
+        try:
+            meta_file = os.path.join(tmp, META_NAME)
+            with open(meta_file, "wb") as f:
+                torch.save(_build_meta(opt, descs), f)
+                if sync_files:
+                    f.flush()
+                    os.fsync(f.fileno())
+            if _before_swap is not None:
+                _before_swap(path)
+            _swap(path, tmp, old)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    _agree(opt, error, "zero_ext.checkpoint.save")
+
+
+def load(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike) -> None:
+    """Load a checkpoint written by `save`, at any world size and in either sharding mode.
+
+    Collective: call on every rank. Each rank reads only the elements it owns now. If the
+    checkpoint does not fit the optimizer (param count, group count, shapes, dtypes), every
+    rank raises the same ValueError naming the mismatch and the optimizer is unchanged.
+    """
+    opt = optimizer
+    error, reads, local, meta, where = None, None, None, None, None
+    try:
+        where = _existing(os.path.abspath(os.fspath(path)))
+        meta = read_meta(where)
+        problems = _mismatches(opt, meta)
+        if problems:
+            raise ValueError(f"zero_ext.checkpoint.load: the checkpoint at {where} does not "
+                             "fit the optimizer: " + "; ".join(problems[:8])
+                             + (f"; and {len(problems) - 8} more" if len(problems) > 8 else ""))
+        reads, local = _plan_load(opt, meta)
+    except Exception as exc:  # noqa: BLE001 - shared with every rank below
+        error = exc
+    _agree(opt, error, "zero_ext.checkpoint.load")
+    _read(where, reads, opt.process_group, opt.process_group is None, DIRECT_READS)
+    state.install(opt, meta["param_groups"], local)
+
+
+def load_full(path: str | os.PathLike) -> dict:
+    """The whole checkpoint as a plain torch optimizer state dict (one process, no
+    torch.distributed needed): what torch.optim.AdamW.load_state_dict accepts."""
+    path = _existing(os.path.abspath(os.fspath(path)))
+    meta = read_meta(path)
+    reads = _Reads()
+    state: dict[int, dict] = {}
+    for pid, s in meta["state"].items():
+        shape = tuple(meta["params"][pid][0])
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        st: dict[str, Any] = {}
+        for name in s["order"]:
+            if name in s["elems"]:
+                dest = torch.empty(shape, dtype=_dtype(s["dtypes"][name]))
+                covered: list = []
+                spans = s["elems"][name]
+                reads.elems(spans, [sp[0] for sp in spans], 0, numel, dest.view(-1), covered)
+                _zero_gaps(dest.view(-1), covered)
+                st[name] = dest
+            elif name in s["wholes"]:
+                key, wshape = s["wholes"][name]
+                dest = torch.empty(wshape, dtype=_dtype(s["dtypes"][name]))
+                reads.items.append((key, 0, dest.numel(), dest.view(-1)))
+                st[name] = dest
+            elif name in s["scalars"]:
+                st[name] = s["scalars"][name]
+        state[pid] = st
+    if reads.items:
+        _read(path, reads, None, True, DIRECT_READS)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def convert(path: str | os.PathLike, out: str | os.PathLike) -> dict:
+    """Write the checkpoint at `path` as one torch.save file of the plain torch format."""
+    sd = load_full(path)
+    torch.save(sd, os.fspath(out))
+    return sd
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (python -m zero_ext.checkpoint); see cli.py."""
+    from .cli import main as cli_main
+
+    return cli_main(argv)

@@ -302,6 +302,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         Join.notify_join_context(self)
         mask = self._trainable_mask()
+        mask_hash = hash(tuple(mask)) & ((1 << 62) - 1)
+        if self._replicas.overlapped:
+            # The overlapped step broadcasts from inside the local step, over buffers laid
+            # out by the trainable params: agree on those before anything is sent.
+            self._check_same_mask(*agree(self.process_group, self.world_size, None,
+                                         "ZeroRedundancyOptimizer.step",
+                                         (mask_hash, -mask_hash)))
         if mask != self._trainable:
             self._trainable = mask
             if self._replicas.frozen_outside_buckets:
@@ -331,20 +338,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if sends is not None:
             sends.finish()  # the chunks not sent yet (all of them after an early failure)
         t1 = time.perf_counter()
-        mask_hash = hash(tuple(p.requires_grad for p in self._all_params)) & ((1 << 62) - 1)
         frozen_stepped, top, bottom = agree(
             self.process_group, self.world_size, error, "ZeroRedundancyOptimizer.step",
             (int(replicas.stepped_a_frozen_param()), mask_hash, -mask_hash))
-        if top != -bottom:
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer.step: ranks disagree on which params require grad; "
-                "freeze and unfreeze params alike on every rank")
+        self._check_same_mask(top, bottom)
         replicas.sync(exchange_frozen=bool(frozen_stepped), buffers_sent=sends is not None)
         self._copy_hyperparameters(self.optim.param_groups, self.param_groups)
         t2 = time.perf_counter()
         local = t1 - t0 - (sends.comm if sends else 0.0)
         self.last_step_timings = {"local": local, "comm": t2 - t0 - local, "total": t2 - t0}
         return loss
+
+    @staticmethod
+    def _check_same_mask(top: int, bottom: int) -> None:
+        """`top`/`bottom`: max over ranks of h and of -h, h a hash of the trainable mask."""
+        if top != -bottom:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer.step: ranks disagree on which params require grad; "
+                "freeze and unfreeze params alike on every rank")
 
     def _generic_step(self, closure, **kwargs):
         if self._stepper is not None:

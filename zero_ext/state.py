@@ -347,7 +347,7 @@ def _piece_state(plan: layout.ShardPlan, lp: layout.LocalPiece, saved: dict) -> 
     if not s:
         return {}
     numel = plan.params[lp.param_id].numel()
-    if lp.start == 0 and lp.length == numel:
-        return {k: _clone(v) for k, v in s.items()}
+    # per-element values take the key's shape: the param's own (param mode) or 1-D (flat)
     return {k: (v.detach().reshape(-1)[lp.start:lp.start + lp.length].clone()
-                if _is_per_element(v, numel) else _clone(v)) for k, v in s.items()}
+                .view(lp.key.shape) if _is_per_element(v, numel) else _clone(v))
+            for k, v in s.items()}

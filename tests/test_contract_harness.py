@@ -781,7 +781,7 @@ def test_contract(w, i, harness_tmp):
 
 def test_harness_draws_every_kind_of_event():
     """The event mix can produce every bug of issue 8 (a check of the generator)."""
-    specs = draw_specs(200, seed=SEED)
+    specs = draw_specs(200, seed=None)
     evs = {e[0] for s in specs for e in s["events"]}
     need = {"step", "kwstep", "overwrite", "freeze", "unfreeze", "zero_grad", "add_group", "lr",
             "hyper", "sched", "sd_roundtrip", "ckpt", "bad_load", "foreign_ckpt", "rank_fail"}

@@ -13,7 +13,8 @@ broadcast of rank 0's weights, real DDP, model.load_state_dict, p.data.copy_, p.
 storage (parity, or a clear ValueError/TypeError on every rank); (4) the optimizer's defaults
 in opt.param_groups from construction on (OneCycleLR, a state dict consolidated before the
 first step); (5) a generic step between fused ones (bias correction); (6) complex params;
-(7) a rank's share on two devices (GPU only); (8) errors after construction reach every rank
+(7) a rank's share on two devices (GPU only); a state-dict round trip mid-training (into ZeRO
+and a fresh plain optimizer; found by the harness); (8) errors after construction reach every rank
 (bad state dicts, a checkpoint of another optimizer class, an exception in one rank's local
 step); (10) add_param_group before the first step re-balances like torch's rule.
 Item 9 (step memory) is a benchmark, not a test.
@@ -253,22 +254,35 @@ FROZEN_NAMES += ["frozen_at_construction_with_grad_adamw_param",
 TIE_SHAPES = [(6, 5), (5,), (6, 5), (7,), (4, 3)]  # params 0 and 2 get tied
 
 
-def _tied(ctx, cls, kw, mode, bv):
+def _tied(ctx, cls, kw, mode, bv, freeze_one=False):
     if AGAINST_TORCH and mode != "param":
         return None  # torch's ZeRO has no sharding modes (the test skips it)
-    pz = make_params(TIE_SHAPES, seed=5)
+    if freeze_one:  # tied across groups; the later one (in the first group) gets frozen
+        shapes, (a, b) = [(6, 5), (7,), (7,), (4, 3), (5,)], (1, 2)
+        groups = lambda ps: [{"params": [ps[0], ps[2]]},  # noqa: E731
+                             {"params": [ps[1], ps[3], ps[4]], "lr": 3e-3}]
+    else:
+        shapes, (a, b) = TIE_SHAPES, (0, 2)
+        groups = lambda ps: [{"params": ps[:3]}, {"params": ps[3:], "lr": 3e-3}]  # noqa: E731
+    pz = make_params(shapes, seed=5)
     pr = clones(pz)
     for ps in (pz, pr):
-        ps[2].data = ps[0].data
+        ps[b].data = ps[a].data
     try:
-        opt = make_zero([{"params": pz[:3]}, {"params": pz[3:], "lr": 3e-3}], cls, ctx.pg,
-                        **_zk(mode, bv), **kw)
+        opt = make_zero(groups(pz), cls, ctx.pg, **_zk(mode, bv), **kw)
     except (ValueError, TypeError) as exc:
         return {"refused": f"{type(exc).__name__}: {exc}"}
-    ref = cls([{"params": pr[:3]}, {"params": pr[3:], "lr": 3e-3}], **kw)
-    _train(opt, ref, pz, pr, 8)
+    ref = cls(groups(pr), **kw)
+
+    def hook(s):
+        if freeze_one and s == 3:  # one of the two frozen (no grad): the other still trains
+            for ps in (pz, pr):
+                ps[b].requires_grad_(False)
+                ps[b].grad = None
+
+    _train(opt, ref, pz, pr, 8, hook=hook)
     out = _snap(pz, pr)
-    out["still_tied"] = pz[0].data_ptr() == pz[2].data_ptr() or torch.equal(pz[0], pz[2])
+    out["still_tied"] = pz[a].data_ptr() == pz[b].data_ptr() or torch.equal(pz[a], pz[b])
     return out
 
 
@@ -278,6 +292,16 @@ for _cname, _cls, _kw in (("adamw", AdamW, ADAMW_KW), ("sgd", SGD, SGD_KW)):
         def _fn(ctx, _cls=_cls, _kw=_kw, _m=_m, _b=_b):
             return _tied(ctx, _cls, _kw, _m, _b)
         _fn.__name__ = _fn.__qualname__ = f"tied_storage_{_cname}_{_mode_id(_m, _b)}"
+        globals()[_fn.__name__] = _fn
+        SC.scenario()(_fn)
+        TIED_NAMES.append(_fn.__name__)
+
+
+for _cname, _cls, _kw in (("adamw", AdamW, ADAMW_KW), ("sgd", SGD, SGD_KW)):
+    for _m, _b in MODES[:4]:
+        def _fn(ctx, _cls=_cls, _kw=_kw, _m=_m, _b=_b):
+            return _tied(ctx, _cls, _kw, _m, _b, freeze_one=True)
+        _fn.__name__ = _fn.__qualname__ = f"tied_storage_one_frozen_{_cname}_{_mode_id(_m, _b)}"
         globals()[_fn.__name__] = _fn
         SC.scenario()(_fn)
         TIED_NAMES.append(_fn.__name__)
@@ -666,10 +690,10 @@ def _two_devices(rank, world_size, mode):
     opt = make_zero(two_groups(pz), AdamW, pg, sharding=mode, **ADAMW_KW)
     ref = AdamW(two_groups(pr), **ADAMW_KW)
     for s in range(6):
-        for ps in (pz, pr):
-            fresh_grads(ps, s)  # the grads are made on CPU ...
-            for p in ps:
-                p.grad = p.grad.to(p.device)  # ... and moved to the param's device
+        for ps in (pz, pr):  # seeded on the CPU, then moved to the param's device
+            for i, p in enumerate(ps):
+                g = torch.Generator().manual_seed(s * 1009 + i)
+                p.grad = torch.randn(p.shape, generator=g).to(device=p.device, dtype=p.dtype)
         opt.step()
         ref.step()
     return {"zero": [t.cpu() for t in detached(pz)], "ref": [t.cpu() for t in detached(pr)]}
@@ -710,6 +734,11 @@ TORCH_FAILS: dict = {
                                      for w in _ALL} for m in ("param", "param_bv")},
     **{f"bad_state_dict_groups_{m}": {w: "raises, but after a partial load" for w in _ALL}
        for m in ("param", "param_bv")},
+    **{f"state_dict_round_trip_{c}_{m}": {
+        1: "its state dict does not load into a plain optimizer alike (state on other params)",
+        2: "load_state_dict of its own consolidated dict: AttributeError ('NoneType'.get)",
+        3: "load_state_dict of its own consolidated dict: AttributeError ('NoneType'.get)"}
+       for c in ("sgd", "adamw") for m in ("param", "param_bv")},
     "rank_local_step_raises_generic_param": {
         w: "the other ranks wait in the broadcast until the timeout" for w in _W23},
     "rank_wrong_shape_grad_fused_param": {

@@ -31,9 +31,11 @@ TypeError): issue 8 accepts a clear error there instead of parity.
 
 Next to the drawn specs, ``targeted_specs()`` holds one hand-written spec per bug of issue 8
 (items 1-6, 8, 10) at every world size, so the default run catches each of them if it comes
-back. Size: ZERO_EXT_HARNESS_EXAMPLES (default 60 drawn, spread over world sizes 1-3; with the targeted ones about 45 s on 2 cores); ZERO_EXT_HARNESS_SEED=<int> draws another set (default: derandomized, the same
-set every run). Not run against torch's ZeRO (ZERO_EXT_TEST_AGAINST_TORCH): see
-test_real_use.py for that.
+back. Size: ZERO_EXT_HARNESS_EXAMPLES (default 60 drawn, about 40 distinct specs, spread
+over world sizes 1-3; with the targeted ones about 35-60 s on 2 cores; set it to a few
+hundred to run long); ZERO_EXT_HARNESS_SEED=<int> draws another set (default:
+derandomized, the same set every run). Not run against torch's ZeRO
+(ZERO_EXT_TEST_AGAINST_TORCH): see test_real_use.py for that.
 
 Tolerances: fp32 and complex64 atol = rtol = 1e-6 (the fused AdamW path may differ from
 torch's in the last ulp per step); bf16 atol 2e-2, rtol 1.6e-2 (lr <= 1e-2 for Adam-family
@@ -51,10 +53,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import (AGAINST_TORCH, DEFAULT_TIMEOUT_S, Ctx, clones, fresh_grads, gloo_available, make_params,
+from _dist import (AGAINST_TORCH, DEFAULT_TIMEOUT_S, Ctx, fresh_grads, gloo_available, make_params,
                    make_zero, run_specs, run_world, store_allgather, torch_rule_max_load)
 
-hypothesis = pytest.importorskip("hypothesis")
+hypothesis = pytest.importorskip(
+    "hypothesis", reason="the contract harness needs hypothesis (requirements-test.txt)")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

@@ -721,6 +721,10 @@ def targeted_specs() -> list:
             _spec(w, "adamw", [S, S, S], tie=[0, 2], shapes=[(9, 5), (7,), (9, 5), (3, 4), (1,)]),
             _spec(w, "sgd", [S, S, S], tie=[0, 2], bv=True, defaults={"lr": 0.05, "momentum": 0.9},
                   shapes=[(9, 5), (7,), (9, 5), (3, 4), (1,)]),
+            # 3 (found by the harness): tied across groups, one of them frozen
+            _spec(w, "adamw", [S, ("freeze", {"i": 2, "stale": False}), S, S], tie=[1, 2],
+                  shapes=[(5,), (5,), (5,)], bv=True,
+                  groups=[{"idx": [0, 2], "hyper": {}}, {"idx": [1], "hyper": {}}]),
             # 4: defaults before the first step: state dict round trip, OneCycleLR
             _spec(w, "adamw", [("sd_roundtrip", {}), S, ("sched", {}), S, ("sched", {}), S],
                   sched="onecycle", defaults={"lr": 1e-3}),

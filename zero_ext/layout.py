@@ -241,7 +241,7 @@ class ShardPlan:
             # views they are in the plan and travel only in a step that updated one (a
             # torch optimizer steps a frozen param that still holds a grad).
             placed = [i for i in ids if i not in self.alias_of
-                      and (self.params[i].requires_grad or not self.bucket_view)]
+                      and (self.trainable(i) or not self.bucket_view)]
             self.buckets += param_mode_buckets(self.params, placed, self.owner,
                                                self.world_size)
         else:
@@ -285,6 +285,15 @@ class ShardPlan:
                 lp.key.data = self.element_view(lp.param_id, lp.start, lp.length)
 
     # ---------------------------------------------------------------- reading
+
+    def trainable(self, pid: int) -> bool:
+        """Whether param `pid`'s memory can change in a step: it requires grad, or a param
+        over the same memory does (a frozen param tied to a trained one)."""
+        if self.params[pid].requires_grad:
+            return True
+        first = self.alias_of.get(pid, pid)
+        return any(self.params[i].requires_grad
+                   for i in [first] + [i for i, f in self.alias_of.items() if f == first])
 
     def element_view(self, pid: int, start: int, length: int) -> torch.Tensor:
         """Elements [start, start+length) of param `pid` (flattened), as a view of its

@@ -206,8 +206,7 @@ class Replicas:
         # travel only when some rank stepped one (it held a grad).
         key = (exchange_frozen, tuple(p.requires_grad for p in plan.params))
         if key not in self._messages:
-            active = (lambda pid: True) if exchange_frozen else (
-                lambda pid: plan.params[pid].requires_grad)
+            active = (lambda pid: True) if exchange_frozen else plan.trainable
             self._messages[key] = plan_messages(plan.buckets, plan.world_size, active)
         exchange_pieces(self.ex, self._messages[key], plan.element_view)
 
@@ -215,8 +214,8 @@ class Replicas:
         """Param mode with bucket views: the frozen params (outside the buffers) after a
         step that updated one of them."""
         plan = self.plan
-        frozen = [i for i, p in enumerate(plan.params)
-                  if not p.requires_grad and i not in plan.alias_of]
+        frozen = [i for i in range(len(plan.params))
+                  if i not in plan.alias_of and not plan.trainable(i)]
         key = ("frozen", tuple(frozen))
         if key not in self._messages:
             buckets = layout.param_mode_buckets(plan.params, frozen, plan.owner,

@@ -115,6 +115,17 @@ def local_state(opt: "ZeroRedundancyOptimizer") -> LocalState:
 # ------------------------------------------------------------------------ consolidation
 
 
+def zero_gaps(dest: torch.Tensor, covered: list) -> None:
+    """Zero the elements of 1-D `dest` outside the [a, b) spans in `covered`."""
+    pos = 0
+    for a, b in sorted(covered):
+        if a > pos:
+            dest[pos:a].zero_()
+        pos = max(pos, b)
+    if pos < dest.numel():
+        dest[pos:].zero_()
+
+
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.replace("torch.", ""))
 
@@ -153,13 +164,7 @@ class _FullState:
 
     def result(self) -> dict[int, dict]:
         for (pid, name), spans in self.covered.items():  # elements no rank had: zeros
-            t, pos = self.tensors[pid][name], 0
-            for a, b in sorted(spans):
-                if a > pos:
-                    t[pos:a].zero_()
-                pos = max(pos, b)
-            if pos < t.numel():
-                t[pos:].zero_()
+            zero_gaps(self.tensors[pid][name], spans)
         full: dict[int, dict] = {}
         for pid in sorted(set(self.tensors) | set(self.scalars)):
             shape = self.opt.plan.params[pid].shape

@@ -32,11 +32,12 @@ import torch
 
 from .. import state
 from ..agree import agree
+from ..state import zero_gaps
 from ..sync import gather_objects
 from .format import (FORMAT, META_NAME, OLD_SUFFIX, SAVE_CHUNK, TMP_SUFFIX,  # noqa: F401
                      VERSION, _build_meta, _dtype, _existing, _mismatches, _save_items,
                      is_checkpoint, read_meta)
-from .reader import _plan_load, _quiet_single_process, _read, _Reads, _zero_gaps
+from .reader import _plan_load, _quiet_single_process, _read, _Reads
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..zero import ZeroRedundancyOptimizer
@@ -182,7 +183,7 @@ def load_full(path: str | os.PathLike) -> dict:
                 covered: list = []
                 spans = s["elems"][name]
                 reads.elems(spans, [sp[0] for sp in spans], 0, numel, dest.view(-1), covered)
-                _zero_gaps(dest.view(-1), covered)
+                zero_gaps(dest.view(-1), covered)
                 st[name] = dest
             elif name in s["wholes"]:
                 key, wshape = s["wholes"][name]

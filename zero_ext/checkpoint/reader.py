@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..state import _clone
+from ..state import _clone, zero_gaps
 from .format import META_NAME, _dtype
 
 class _quiet_single_process(warnings.catch_warnings):
@@ -49,16 +49,6 @@ class _Reads:
             i += 1
 
 
-def _zero_gaps(dest: torch.Tensor, covered: list) -> None:
-    pos = 0
-    for a, b in sorted(covered):
-        if a > pos:
-            dest[pos:a].zero_()
-        pos = max(pos, b)
-    if pos < dest.numel():
-        dest[pos:].zero_()
-
-
 def _scalar_copy(v):
     return _clone(v)
 
@@ -87,7 +77,7 @@ def _plan_load(opt, meta: dict) -> tuple[_Reads, dict[int, dict]]:
                     covered: list = []
                     reads.elems(s["elems"][name], starts[lp.param_id][name], lp.start,
                                 lp.start + lp.length, dest.view(-1), covered)
-                    _zero_gaps(dest.view(-1), covered)
+                    zero_gaps(dest.view(-1), covered)
                     st[name] = dest
                 elif name in s["wholes"]:
                     k, whole_shape = s["wholes"][name]

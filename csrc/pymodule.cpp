@@ -1,7 +1,7 @@
 // Python entry point of the setup.py build (zero_ext._C). The module itself is empty: loading
-// the shared library runs the TORCH_LIBRARY / TORCH_LIBRARY_IMPL registrations of the other
-// sources, which is what makes torch.ops.zero_ext.* exist. The JIT build does not need this
-// file (it loads the library with is_python_module=False).
+// the shared library runs the TORCH_LIBRARY_IMPL registrations of the other sources (CPU and
+// CUDA kernels of the ops whose schemas zero_ext/kernels/_ops.py defines). The JIT build does
+// not need this file (it loads the library with is_python_module=False).
 #include <Python.h>
 
 static struct PyModuleDef zero_ext_c_module = {

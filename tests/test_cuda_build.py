@@ -45,7 +45,10 @@ CHILD = textwrap.dedent(f"""
     cuda = [op for op in ops
             if torch._C._dispatch_has_kernel_for_dispatch_key("zero_ext::" + op, "CUDA")]
     print("CUDA kernels registered:", cuda)
-    assert "flatten_into" in cuda and "unflatten_from" in cuda, cuda
+    assert "flatten_into" in cuda and "unflatten_from" in cuda and "fused_adamw_" in cuda, cuda
+    # the schemas and default kernels come from Python (zero_ext/kernels/_ops.py)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("zero_ext::fused_adamw_",
+                                                          "CompositeExplicitAutograd")
 """)
 
 

@@ -2,6 +2,8 @@
 
 Copies are exact, so every comparison is bitwise (tolerance 0) for every dtype.
 """
+import os
+
 import pytest
 import torch
 
@@ -165,15 +167,46 @@ def test_device_mismatch_message():
         F.flatten_into([torch.zeros(2)], torch.zeros(4, device="cuda"), [0])
 
 
-def test_reference_fallback_when_native_missing(monkeypatch):
-    monkeypatch.setattr(F, "native_available", lambda op, device=None: False)
-    ts = [torch.randn(3, 2), torch.randn(5)]
-    flat = torch.zeros(16)
-    F.flatten_into(ts, flat, [0, 8])
-    assert torch.equal(flat[0:6], ts[0].reshape(-1)) and torch.equal(flat[8:13], ts[1])
-    out = [torch.empty(3, 2), torch.empty(5)]
-    F.unflatten_from(flat, out, [0, 8])
-    assert torch.equal(out[0], ts[0]) and torch.equal(out[1], ts[1])
+def test_reference_is_the_default_kernel(tmp_path):
+    """Without the native library (ZERO_EXT_REFERENCE=1 never loads it) torch.ops.zero_ext.*
+    still exist and run the references, registered as the ops' default kernels."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch
+        from zero_ext.kernels import flatten as F, native_status
+        assert not native_status()["native"]
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key("zero_ext::flatten_into", "CPU")
+        ts = [torch.randn(3, 2), torch.randn(5)]
+        flat = torch.zeros(16)
+        F.flatten_into(ts, flat, [0, 8])
+        assert torch.equal(flat[0:6], ts[0].reshape(-1)) and torch.equal(flat[8:13], ts[1])
+        out = [torch.empty(3, 2), torch.empty(5)]
+        torch.ops.zero_ext.unflatten_from(flat, out, [0, 8])
+        assert torch.equal(out[0], ts[0]) and torch.equal(out[1], ts[1])
+        print("OK")
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, ZERO_EXT_REFERENCE="1", PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+def test_fake_kernels_check_inputs():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        flat = torch.empty(8)
+        torch.ops.zero_ext.flatten_into([torch.empty(2, 2)], flat, [4])  # fits
+        with pytest.raises(RuntimeError, match="dtype"):
+            torch.ops.zero_ext.flatten_into([torch.empty(2, dtype=torch.float64)], flat, [0])
+        with pytest.raises(RuntimeError, match="offsets"):
+            torch.ops.zero_ext.unflatten_from(flat, [torch.empty(2)], [0, 2])
+        with pytest.raises(RuntimeError, match="does not fit"):
+            torch.ops.zero_ext.flatten_into([torch.empty(5)], flat, [4])
 
 
 @pytest.mark.parametrize("dtype,expected", [(torch.float32, 4), (torch.bfloat16, 8),
@@ -199,7 +232,6 @@ def test_aligned_offsets():
 def test_opcheck(device):
     if not _native(device):
         pytest.skip(f"native zero_ext ops unavailable on {device}")
-    F._register_fakes()
     gen = torch.Generator().manual_seed(0)
     ts = [torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen).expand(2, 5),
           torch.randn(7, generator=gen)]

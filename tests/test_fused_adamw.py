@@ -225,6 +225,58 @@ def test_op_rejects_bad_inputs():
                        K.group_hparams_table([GROUPS[1]]))
 
 
+def test_errors_of_the_op_propagate_and_nothing_is_retried(monkeypatch):
+    """Staging is decided before the call from the inputs; an error of the native op (bad
+    input, out of memory) reaches the caller, and neither the staged path nor the reference
+    runs afterwards."""
+    _need_native("cpu")
+    table = K.group_hparams_table(GROUPS[:1])
+    segs = _segments("cpu", torch.float32, torch.float32, [8, 8], [0, 0], seed=3)
+    calls = []
+
+    def oom(*args):
+        calls.append("op")
+        raise torch.OutOfMemoryError("simulated out of memory")
+
+    monkeypatch.setattr(K, "_run_staged", lambda *a: calls.append("staged"))
+    monkeypatch.setattr(K, "fused_adamw_reference_", lambda *a: calls.append("reference"))
+    lib = torch.library.Library("zero_ext", "IMPL")
+    try:
+        lib.impl("fused_adamw_", oom, "CPU", allow_override=True)
+        before = _clone(segs)
+        with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+            _call(K.fused_adamw_, segs, torch.ones(2), torch.zeros(2, dtype=torch.long), table)
+    finally:
+        lib._destroy()
+    assert calls == ["op"]
+    for sa, sb in zip(segs, before):
+        for x, y in zip(sa, sb):
+            assert torch.equal(x, y)
+
+
+def test_staging_decision_is_cached_per_lists():
+    """The all-contiguous check runs once per set of lists (the engine passes the same lists
+    every step), so the hot path pays no per-tensor Python work; new lists are checked anew."""
+    _need_native("cpu")
+    table = K.group_hparams_table(GROUPS[:1])
+    segs = _segments("cpu", torch.float32, torch.float32, [8, 8], [0, 0], seed=4)
+    lists = [[s[j] for s in segs] for j in range(5)]
+    steps, sg = torch.ones(2), torch.zeros(2, dtype=torch.long)
+    K._AS_IS_CACHE.clear()
+    K.fused_adamw_(*lists, steps, sg, table)
+    assert len(K._AS_IS_CACHE) == 1
+    K.fused_adamw_(*lists, steps, sg, table)
+    assert len(K._AS_IS_CACHE) == 1
+    # a non-contiguous param in new lists: checked, staged, and matches the reference
+    p = torch.randn(8, 2)[:, 0]
+    other = [[p, segs[1][1].clone(), segs[1][2].clone(), segs[1][3].clone(), torch.empty(0)]]
+    ref = _clone(other)
+    _call(K.fused_adamw_, other, torch.ones(1), torch.zeros(1, dtype=torch.long), table)
+    _call(K.fused_adamw_reference_, ref, torch.ones(1), torch.zeros(1, dtype=torch.long), table)
+    for x, y in zip(other[0], ref[0]):
+        torch.testing.assert_close(x, y, **FP32_TOL)
+
+
 @pytest.mark.parametrize("isa", ["avx2", "default"])
 def test_cpu_isa_paths_match_reference(isa):
     """The CPU kernel picks an explicit AVX-512 / AVX2 path for fp32 or the portable loops;
@@ -278,7 +330,6 @@ def _opcheck_args(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     _need_native(device)
-    K._register_fakes()
     torch.library.opcheck(torch.ops.zero_ext.fused_adamw_.default, _opcheck_args(device))
     args = list(_opcheck_args(device))
     args[8] = torch.tensor([2.0], device=device)

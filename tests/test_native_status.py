@@ -24,9 +24,11 @@ def _child(code, tmp_path, **env_overrides):
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_every_op_of_ops_cpp_is_reported():
-    with open(os.path.join(ROOT, "csrc", "ops.cpp")) as f:
-        defined = set(re.findall(r'"\s*([a-z_]+)\(', f.read()))
+def test_every_op_of_the_library_is_reported():
+    from zero_ext.kernels import _ops
+
+    defined = {re.match(r"([a-z_]+)\(", s).group(1) for s in _ops.SCHEMAS.values()}
+    assert defined == set(_ops.SCHEMAS) == set(_loader.OPS)
     st = zero_ext.native_status()
     assert set(st["ops"]) == defined
     for op, devs in st["ops"].items():
@@ -51,14 +53,21 @@ def test_status_matches_the_dispatcher():
 
 def test_import_builds_nothing_and_reference_mode_is_reported(tmp_path):
     out = _child("""
-        import torch, zero_ext
-        assert not hasattr(torch.ops.zero_ext, "flatten_into"), "ops loaded at import"
+        import torch, zero_ext, zero_ext.kernels
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        # the ops exist once zero_ext.kernels is imported (Python schemas, reference
+        # defaults); importing builds and loads no native kernel
+        assert hasattr(torch.ops.zero_ext, "flatten_into")
+        assert not has("zero_ext::flatten_into", "CPU"), "native library loaded at import"
         st = zero_ext.native_status(load=False)
         assert not st["native"] and "not loaded yet" in str(st), st
         st = zero_ext.native_status()
         print(st)
         assert not st["native"]
         assert st["ops"]["flatten_into"]["cpu"] == "reference: ZERO_EXT_REFERENCE=1", st
+        assert not has("zero_ext::fused_adamw_", "CPU"), "library loaded under REFERENCE=1"
+        out = torch.ops.zero_ext.flat_offsets(torch.tensor([3, 5]), 2, 4)  # the default kernel
+        assert out.tolist() == [0, 4, 16], out
     """, tmp_path, ZERO_EXT_REFERENCE="1", ZERO_EXT_REQUIRE_NATIVE="1")
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -86,15 +95,15 @@ def test_broken_source_fails_with_the_compiler_error(tmp_path):
     an error carrying the compiler's message (the #error comes before any include: fast)."""
     csrc = tmp_path / "csrc"
     csrc.mkdir()
-    with open(os.path.join(ROOT, "csrc", "ops.cpp")) as f:
-        (csrc / "ops.cpp").write_text("#error zero_ext deliberately broken\n" + f.read())
+    with open(os.path.join(ROOT, "csrc", "partition.cpp")) as f:
+        (csrc / "partition.cpp").write_text("#error zero_ext deliberately broken\n" + f.read())
     out = _child(f"""
         from zero_ext import _build_config
         _build_config.CSRC = {str(csrc)!r}
         import zero_ext
         print(zero_ext.native_status()["ops"]["flatten_into"]["cpu"])  # reports, never raises
         zero_ext.load_native()
-    """, tmp_path, ZERO_EXT_REQUIRE_NATIVE="1", ZERO_EXT_JIT_SOURCES="ops.cpp",
+    """, tmp_path, ZERO_EXT_REQUIRE_NATIVE="1", ZERO_EXT_JIT_SOURCES="partition.cpp",
         ZERO_EXT_JIT_NAME="zero_ext_broken_test", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
     assert out.returncode != 0
     assert "zero_ext: building native ops for CPU" in out.stderr

@@ -7,8 +7,10 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 
-# Order does not matter; ops.cpp holds the schemas, the others register kernels.
-CPU_SOURCES = ["ops.cpp", "partition.cpp", "flatten_cpu.cpp", "fused_adamw_cpu.cpp"]
+# Order does not matter. The sources only register CPU / CUDA kernels
+# (TORCH_LIBRARY_IMPL); the schemas and the default (reference) kernels are defined in Python,
+# zero_ext/kernels/_ops.py, which the loader imports before it loads the library.
+CPU_SOURCES = ["partition.cpp", "flatten_cpu.cpp", "fused_adamw_cpu.cpp"]
 CUDA_SOURCES = ["flatten.cu", "fused_adamw.cu"]
 
 CXX_FLAGS = ["-O3", "-fopenmp"]

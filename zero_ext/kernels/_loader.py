@@ -1,13 +1,19 @@
-"""Find or build the native ops (torch.ops.zero_ext.*), once per process.
+"""Find or build the native kernels of torch.ops.zero_ext.*, once per process.
+
+The ops themselves (schemas, reference kernels as the default, fake kernels) are defined in
+Python by zero_ext/kernels/_ops.py at import, so torch.ops.zero_ext.X always exists and runs.
+This module loads the compiled library, which only registers CPU / CUDA kernels: once loaded,
+the dispatcher runs those for tensors of their device, the references everywhere else.
 
 Order: an extension built by setup.py (zero_ext._C), else a JIT build of csrc/ with
 torch.utils.cpp_extension (cached in TORCH_EXTENSIONS_DIR, MAX_JOBS honoured). If both fail,
-or ZERO_EXT_REFERENCE=1, the pure-PyTorch references run instead and one loud warning says so;
+or ZERO_EXT_REFERENCE=1 (the library is then never loaded), the pure-PyTorch references run
+instead and (unless forced) one loud warning says so;
 with ZERO_EXT_REQUIRE_NATIVE=1 (CI) a failed build raises instead, with the compiler's output.
 ZERO_EXT_BUILD_CUDA=1/0 forces the CUDA sources in or out of the JIT build (default: in when a
 GPU is visible).
 
-The ops load lazily, on first use (constructing an optimizer, calling a kernel wrapper) or on
+The native kernels load lazily, on first use (constructing an optimizer, calling a kernel wrapper) or on
 zero_ext.native_status() / zero_ext.load_native(): `import zero_ext` alone builds nothing, so
 ZERO_EXT_REFERENCE=1 set after the import still takes effect.
 
@@ -38,6 +44,7 @@ _lock = threading.Lock()
 _state: dict = {"tried": False, "native": False, "error": None, "library": None,
                 "cuda_built": False}
 
+# The ops of zero_ext/kernels/_ops.py (SCHEMAS), in that order; a test checks they agree.
 OPS = ("flatten_into", "unflatten_from", "assign_params", "flat_offsets", "fused_adamw_")
 # Host-side ops: partition metadata is computed on the CPU whatever device the params are on.
 CPU_ONLY_OPS = frozenset({"assign_params", "flat_offsets"})
@@ -68,7 +75,8 @@ def _cuda_home_hint() -> None:
 
 
 def _extra_cuda_includes() -> list:
-    # ATen/cuda headers pull in cusparse.h, shipped by the nvidia pip wheels (DESIGN.md §8).
+    # ATen/cuda headers pull in cusparse.h, which the nvidia pip wheels ship in
+    # site-packages/nvidia/cu13/include (docs/design.md section 9).
     import site
 
     out = []
@@ -139,6 +147,7 @@ def _check_compiler() -> None:
 
 def jit_build(cuda: bool, name: str | None = None, verbose: bool = False):
     """JIT-compile and load csrc/; returns the library path. Raises on failure."""
+    from . import _ops  # noqa: F401  the schemas first: the library only registers kernels
     if cuda:
         _cuda_home_hint()  # before torch.utils.cpp_extension is imported: it reads CUDA_HOME
         if not torch.cuda.is_available():
@@ -271,6 +280,7 @@ def _read(path: str) -> str | None:
 def _load() -> None:
     """One attempt, under the lock; fills _state."""
     t0 = time.monotonic()
+    from . import _ops  # noqa: F401  the schemas first: the library only registers kernels
     try:
         if _flag("ZERO_EXT_REFERENCE"):
             raise RuntimeError("ZERO_EXT_REFERENCE=1 forces the pure-PyTorch references")

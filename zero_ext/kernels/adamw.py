@@ -9,7 +9,7 @@ groups are updated by one kernel launch (CUDA) or one parallel loop (CPU).
 
 - params: float32, bfloat16 or float16 (several dtypes may be mixed in one call); grads have
   their param's dtype; the moments have the param's dtype (as ``torch.optim.AdamW`` keeps
-  them) or float32. The math runs in float32, scalars in float64 cast once (DESIGN.md §7).
+  them) or float32. The math runs in float32, scalars in float64 cast once (docs/design.md, "AdamW arithmetic").
 - steps: float32 ``[S]`` on the CPU or the params' device: each segment's step count *after*
   the caller incremented it.
 - segment_groups: int64 ``[S]`` on the CPU. group_hparams: float64 ``[G, 7]`` on the CPU with
@@ -29,7 +29,9 @@ schema), so grads keep their scaled values after a step with ``grad_scale``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, Optional, Sequence
+
+import weakref
 
 import torch
 from torch import Tensor
@@ -169,40 +171,83 @@ def fused_adamw_(
 ) -> None:
     """One fused AdamW step over all segments (see the module docstring).
 
-    Runs ``torch.ops.zero_ext.fused_adamw_`` when it has a kernel for the params' device,
-    else :func:`fused_adamw_reference_`. The native op validates everything before it writes
-    anything; when it rejects the inputs only because some tensors are non-contiguous or of a
-    dtype it does not cover, those segments are staged (or run by the reference) here, so the
-    common all-contiguous call pays no per-tensor Python checks.
+    Calls ``torch.ops.zero_ext.fused_adamw_``: the dispatcher runs the compiled kernel when
+    one is registered for the params' device, else the reference (the op's default kernel).
+    The compiled kernels take contiguous segments of float32 / bfloat16 / float16 only; whether
+    some segments must be staged (contiguous copies written back) or run by the reference
+    (float64) is decided here, before the call, from the inputs: see :func:`_takes_as_is`.
+    Errors of the op (bad inputs, out of memory) propagate; nothing is retried.
     """
+    # the caller's containers identify the call for _takes_as_is's cache (before any copy)
+    key = (id(params), id(exp_avgs), id(exp_avg_sqs), id(max_exp_avg_sqs))
     params, grads, exp_avgs, exp_avg_sqs = (
         x if isinstance(x, list) else list(x) for x in (params, grads, exp_avgs, exp_avg_sqs))
     if max_exp_avg_sqs is None:
         max_exp_avg_sqs = []
     elif not isinstance(max_exp_avg_sqs, list):
         max_exp_avg_sqs = list(max_exp_avg_sqs)
-    device = params[0].device if params else torch.device("cpu")
-    if not native_available(_OP, device):
-        fused_adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                               segment_groups, group_hparams, grad_scale, found_inf)
-        return
-    _register_fakes()
-    try:
-        # no_grad: with grad mode on, the autograd fallback of a mutating op walks every
-        # tensor that requires grad (measured +70% call time at 20000 params).
-        with torch.no_grad():
+    ensure_loaded()
+    plan = None
+    if not _takes_as_is(key, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
+        plan = _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                             segment_groups, group_hparams)
+    # no_grad: with grad mode on, the autograd fallback of a mutating op walks every
+    # tensor that requires grad (measured +70% call time at 20000 params).
+    with torch.no_grad():
+        if plan is None:
             torch.ops.zero_ext.fused_adamw_(params, grads, exp_avgs, exp_avg_sqs,
                                             max_exp_avg_sqs, steps, segment_groups,
                                             group_hparams, grad_scale, found_inf)
-        return
-    except RuntimeError:
-        plan = _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                             segment_groups, group_hparams)
-        if plan is None:  # the inputs are wrong for another reason: report the op's error
-            raise
-    with torch.no_grad():
-        _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                    segment_groups, group_hparams, grad_scale, found_inf)
+        else:
+            _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                        segment_groups, group_hparams, grad_scale, found_inf)
+
+
+# Decisions of _takes_as_is for the lists a caller passes again and again (the AdamW engine
+# keeps its params / state lists for as long as the layout holds): key = the identities of
+# the caller's params / state containers and the length; value = (weak references to the
+# first and last param, verdict). Only weak references are held, so no tensor is kept
+# alive; an entry is used only while its first and last params are still the same tensors
+# (a recycled id of a dead list with other ends misses). Lists passed again are assumed not
+# to have been edited in place. A stale "as is" can only make the kernel reject the call (it
+# checks every segment before writing anything); it can never produce a wrong result.
+_AS_IS_CACHE: dict = {}
+_AS_IS_CACHE_MAX = 256
+_NATIVE_DEVICE_TYPES: dict = {}
+_is_contiguous = Tensor.is_contiguous
+
+
+def _has_native_kernel(device: torch.device) -> bool:
+    """Whether the dispatcher holds a compiled fused_adamw_ kernel for this device type
+    (staging only matters then: the reference takes any layout and dtype)."""
+    known = _NATIVE_DEVICE_TYPES.get(device.type)
+    if known is None:
+        known = _NATIVE_DEVICE_TYPES[device.type] = native_available(_OP, device)
+    return known
+
+
+def _takes_as_is(key, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) -> bool:
+    """True when the op can be called on the lists as they are: no compiled kernel for the
+    device (the reference takes everything), or every tensor contiguous and every param of a
+    dtype the kernels cover. Grads are checked only on the first call with a given set of
+    lists: autograd gives a contiguous param a contiguous grad (a non-contiguous grad set by
+    hand on a later call makes the kernel raise, it is never silently mis-read)."""
+    if not params or not _has_native_kernel(params[0].device):
+        return True
+    key = key + (len(params),)
+    hit = _AS_IS_CACHE.get(key)
+    first, last = params[0], params[-1]
+    if hit is not None and hit[0]() is first and hit[1]() is last:
+        return hit[2]
+    ok = (all(map(_is_contiguous, params)) and all(map(_is_contiguous, grads))
+          and all(map(_is_contiguous, exp_avgs)) and all(map(_is_contiguous, exp_avg_sqs))
+          and all(map(_is_contiguous, max_exp_avg_sqs))
+          and all(map(_native_ok, params, exp_avgs, exp_avg_sqs,
+                      max_exp_avg_sqs or [None] * len(params))))
+    if len(_AS_IS_CACHE) >= _AS_IS_CACHE_MAX:
+        _AS_IS_CACHE.clear()
+    _AS_IS_CACHE[key] = (weakref.ref(first), weakref.ref(last), ok)
+    return ok
 
 
 def _native_ok(p: Tensor, m: Tensor, v: Tensor, x: Optional[Tensor]) -> bool:
@@ -210,7 +255,7 @@ def _native_ok(p: Tensor, m: Tensor, v: Tensor, x: Optional[Tensor]) -> bool:
         return False
     if m.dtype != p.dtype and m.dtype != torch.float32:
         return False
-    return x is None or x.dtype == m.dtype
+    return x is None or x.numel() == 0 or x.dtype == m.dtype
 
 
 def _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segment_groups,
@@ -284,21 +329,3 @@ def _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
             [max_exp_avg_sqs[i] for i in reference] if any_ams else [],
             steps.index_select(0, idx.to(steps.device)), segment_groups.index_select(0, idx),
             group_hparams, grad_scale, found_inf)
-
-
-# --------------------------------------------------------------------------- fake kernel
-
-def _register_fakes() -> None:
-    """Register the fake (meta) kernel once the native library (which holds the schema) is
-    loaded; a mutating op with no outputs only has to accept its inputs."""
-    if _register_fakes.done or not ensure_loaded():
-        return
-    _register_fakes.done = True
-
-    @torch.library.register_fake("zero_ext::fused_adamw_")
-    def _fused_adamw_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                          segment_groups, group_hparams, grad_scale=None, found_inf=None):
-        return None
-
-
-_register_fakes.done = False

@@ -19,7 +19,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from ._loader import ensure_loaded, native_available
+from ._loader import ensure_loaded
 
 __all__ = [
     "flatten_into",
@@ -106,36 +106,17 @@ def unflatten_from_reference(flat: torch.Tensor, tensors: Sequence[torch.Tensor]
 
 
 # --------------------------------------------------------------------------- wrappers
-
-def _register_fakes() -> None:
-    # The schemas live in the compiled library: register only once it is loaded.
-    if _register_fakes.done or not ensure_loaded():
-        return
-    _register_fakes.done = True
-
-    @torch.library.register_fake("zero_ext::flatten_into")
-    def _flatten_into_fake(tensors, flat, offsets):
-        return None
-
-    @torch.library.register_fake("zero_ext::unflatten_from")
-    def _unflatten_from_fake(flat, tensors, offsets):
-        return None
-
-
-_register_fakes.done = False
-
+# torch.ops.zero_ext.* (zero_ext/kernels/_ops.py): the dispatcher runs the compiled kernel of
+# flat's device when the native library registered one, else the reference above.
 
 def flatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int]) -> None:
     """Copy ``tensors[i]`` into ``flat[offsets[i] : offsets[i] + tensors[i].numel()]``."""
     tensors, offsets = list(tensors), list(map(int, offsets))
     if not tensors and not offsets:
         return
-    if native_available("flatten_into", flat.device):
-        _register_fakes()
-        with torch.no_grad():
-            torch.ops.zero_ext.flatten_into(tensors, flat, offsets)
-    else:
-        flatten_into_reference(tensors, flat, offsets)
+    ensure_loaded()
+    with torch.no_grad():
+        torch.ops.zero_ext.flatten_into(tensors, flat, offsets)
 
 
 def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
@@ -143,9 +124,6 @@ def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets:
     tensors, offsets = list(tensors), list(map(int, offsets))
     if not tensors and not offsets:
         return
-    if native_available("unflatten_from", flat.device):
-        _register_fakes()
-        with torch.no_grad():
-            torch.ops.zero_ext.unflatten_from(flat, tensors, offsets)
-    else:
-        unflatten_from_reference(flat, tensors, offsets)
+    ensure_loaded()
+    with torch.no_grad():
+        torch.ops.zero_ext.unflatten_from(flat, tensors, offsets)

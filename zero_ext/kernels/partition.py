@@ -37,7 +37,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from ._loader import ensure_loaded, native_available
+from ._loader import ensure_loaded
 
 __all__ = [
     "assign_params",
@@ -250,24 +250,8 @@ def flat_offsets_reference(numels: Sequence[int], world_size: int, alignment: in
 
 
 # --------------------------------------------------------------------------- wrappers
-
-def _register_fakes() -> None:
-    # The schemas live in the compiled library: register only once it is loaded.
-    if _register_fakes.done or not ensure_loaded():
-        return
-    _register_fakes.done = True
-
-    @torch.library.register_fake("zero_ext::assign_params")
-    def _assign_params_fake(numels, groups, world_size):
-        return numels.new_empty(numels.shape)
-
-    @torch.library.register_fake("zero_ext::flat_offsets")
-    def _flat_offsets_fake(numels, world_size, alignment):
-        return numels.new_empty((numels.shape[0] + 1,))
-
-
-_register_fakes.done = False
-
+# torch.ops.zero_ext.* (zero_ext/kernels/_ops.py): the compiled CPU kernel when the native
+# library is loaded, else the references above (the op's default kernel).
 
 def _int64_cpu(values, name: str) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
@@ -281,12 +265,10 @@ def assign_params(numels: Sequence[int], groups: Sequence[int], world_size: int)
     numels: elements of each param; groups: group id of each param (groups are processed by
     ascending id). Deterministic (integer arithmetic only).
     """
-    if native_available("assign_params", "cpu"):
-        _register_fakes()
-        out = torch.ops.zero_ext.assign_params(
-            _int64_cpu(numels, "numels"), _int64_cpu(groups, "groups"), int(world_size))
-        return out.tolist()
-    return assign_params_reference(numels, groups, world_size)
+    ensure_loaded()
+    out = torch.ops.zero_ext.assign_params(
+        _int64_cpu(numels, "numels"), _int64_cpu(groups, "groups"), int(world_size))
+    return out.tolist()
 
 
 def flat_offsets(numels: Sequence[int], world_size: int, alignment: int) -> List[int]:
@@ -297,12 +279,10 @@ def flat_offsets(numels: Sequence[int], world_size: int, alignment: int) -> List
     ``offsets[n] // world_size`` is a multiple of ``alignment``. It is 0 when there is no
     element at all (no params, or only empty ones at offset 0).
     """
-    if native_available("flat_offsets", "cpu"):
-        _register_fakes()
-        out = torch.ops.zero_ext.flat_offsets(
-            _int64_cpu(numels, "numels"), int(world_size), int(alignment))
-        return out.tolist()
-    return flat_offsets_reference(numels, world_size, alignment)
+    ensure_loaded()
+    out = torch.ops.zero_ext.flat_offsets(
+        _int64_cpu(numels, "numels"), int(world_size), int(alignment))
+    return out.tolist()
 
 
 def rank_pieces(offsets: Sequence[int], numels: Sequence[int], world_size: int,

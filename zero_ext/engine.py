@@ -92,14 +92,15 @@ class _StepPack:
 
 
 class _Call:
-    """One kernel call: one chunk, one device; everything but the per-step grads."""
+    """One kernel call: one chunk, one device; everything but the per-step grads (and the
+    real views of complex params, taken at each step: `p.data = t` must not go stale)."""
 
     __slots__ = ("device", "params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
-                 "segment_groups", "grads", "pack", "step_index")
+                 "segment_groups", "grads", "pack", "step_index", "complex_params")
 
 
 class _Plan:
-    __slots__ = ("key", "none", "chunks", "increments", "refs", "layout", "auto")
+    __slots__ = ("key", "none", "chunks", "increments", "refs", "layout", "auto", "states")
 
 
 def _elements(t: Tensor, offset: int, length: int, real: bool) -> Tensor:
@@ -145,7 +146,9 @@ class AdamWEngine:
         none = ()
         if any(g is None for g in grads):
             none = tuple(i for i, g in enumerate(grads) if g is None)
-        if plan is None or plan.layout is not layout or plan.none != none or plan.key != key:
+        if plan is None or plan.layout is not layout or plan.none != none or plan.key != key \
+                or not all(state.get(k) is st and st.get("step") is s
+                           for k, st, s in plan.states):
             plan = self._plan = self._build(param_groups, state, layout, grads, none)
             plan.auto = auto
         table = torch.tensor([hparams_row(self.optimizer_class, g) for g in param_groups],
@@ -154,6 +157,8 @@ class AdamWEngine:
             pack.flat.add_(1 if mask is None else mask)
         for k, calls in enumerate(plan.chunks):
             for call in calls:
+                for j, seg in call.complex_params:
+                    call.params[j] = _elements(seg.key, seg.offset, seg.length, True)
                 g_list = [grads[src] if whole else _elements(grads[src], off, n, real)
                           for src, off, n, real, whole in call.grads]
                 if call.step_index is None:
@@ -220,6 +225,9 @@ class AdamWEngine:
         plan = _Plan()
         plan.none, plan.chunks, plan.increments = none, chunks, increments
         plan.refs = (state, [g["params"] for g in param_groups])
+        # the state entries the lists view: a replaced entry or step means a rebuild
+        keys = {id(seg.key): seg.key for chunk in layout.chunks for seg in chunk}
+        plan.states = [(keys[kid], st, st["step"]) for kid, st in stepping.items()]
         plan.layout, plan.auto = layout, False
         plan.key = self._key(param_groups, state)  # after the lazy init grew the state
         return plan
@@ -242,9 +250,12 @@ class AdamWEngine:
         c.device = dev
         use_max = any(ams[s.group] for s in segs)
         c.params, c.exp_avgs, c.exp_avg_sqs, c.max_exp_avg_sqs, c.grads = [], [], [], [], []
+        c.complex_params = []
         for s in segs:
             st = stepping[id(s.key)]
             real = s.key.is_complex()
+            if real:
+                c.complex_params.append((len(c.params), s))
             view = lambda t: _elements(t, s.offset, s.length, real)  # noqa: E731
             c.params.append(view(s.key))
             c.exp_avgs.append(view(st["exp_avg"]))

@@ -74,15 +74,35 @@ class Replicas:
 
     def adopt(self, plan: layout.ShardPlan, fresh: bool) -> None:
         """Follow `plan` after a layout change: bucket views for its new buckets (all of
-        them when `fresh`: a new plan, or buckets rebuilt), plans of the exchange reset."""
+        them when `fresh`: a new plan, or buckets rebuilt), plans of the exchange reset.
+        Memory the script replaced before this is still followed at the next step: only
+        the params placed now have their memory recorded here."""
         self.plan = plan
+        known = len(self._ptrs)
         if fresh:
+            old = {buf.untyped_storage().data_ptr() for buf in self.buffers.values()}
             self.buffers = {}
-        if self.bucket_view:
+            if self.bucket_view:
+                for bi in range(len(plan.buckets)):
+                    self._attach_buffer(bi)
+                self._release_old_buffers(old)
+            known = 0  # every param was (re)placed from its current memory
+        elif self.bucket_view:
             for bi in range(len(self.buffers), len(plan.buckets)):
                 self._attach_buffer(bi)
         self._messages, self._regions = {}, None
-        self.record()
+        self.record(start=known)
+
+    def _release_old_buffers(self, old: set) -> None:
+        """Params left outside the new buffers (frozen, with bucket views) that still view
+        an old buffer get memory of their own, so the old buffer is freed."""
+        plan = self.plan
+        for i, p in enumerate(plan.params):
+            if i not in plan.alias_of and p.numel() and \
+                    p.untyped_storage().data_ptr() in old:
+                p.data = p.detach().clone()
+        for i, first in plan.alias_of.items():
+            plan.params[i].data = plan.params[first].data
 
     def _attach_buffer(self, bi: int) -> None:
         """The flat buffer of bucket `bi`, filled from the params' current values; the
@@ -105,11 +125,13 @@ class Replicas:
 
     # ---------------------------------------------------------------- params are the truth
 
-    def record(self) -> None:
-        """Remember where every param's memory is, to notice `p.data = ...` later."""
+    def record(self, start: int = 0) -> None:
+        """Remember where the memory of params[start:] is, to notice `p.data = ...` later
+        (params before `start` keep what was recorded for them)."""
         params = self.plan.params
-        self._ptrs = [p.data_ptr() if p.numel() else None for p in params]
-        self._meta = [(p.shape, p.dtype, p.device) for p in params]
+        self._ptrs = self._ptrs[:start] + [p.data_ptr() if p.numel() else None
+                                           for p in params[start:]]
+        self._meta = self._meta[:start] + [(p.shape, p.dtype, p.device) for p in params[start:]]
 
     def refresh(self) -> bool:
         """Follow params whose memory the script replaced since the last step: with bucket
@@ -143,15 +165,15 @@ class Replicas:
                     f"parameter {i} now shares memory with parameter {other} (tied after the "
                     "optimizer was built); tie weights before building the optimizer")
         if self.bucket_view:
-            slot = {pid: (bi, off) for bi, b in enumerate(plan.buckets)
-                    for pid, off in zip(b.param_ids, b.offsets)}
-            for i in changed:
-                if i in plan.alias_of or i not in slot:
-                    continue  # follows its first alias / a frozen param outside the buffers
-                p, (bi, off) = params[i], slot[i]
-                view = self.buffers[bi][off:off + p.numel()].view_as(p)
-                view.copy_(p.detach())
-                p.data = view
+            # A bucket with a moved member gets a new buffer, filled from every member's
+            # current memory; the old one is left to whoever still holds it (a backup, the
+            # other side of an EMA swap), never written again.
+            moved = set(changed)
+            for bi, b in enumerate(plan.buckets):
+                if moved.intersection(b.param_ids):
+                    self._attach_buffer(bi)
+                    plan.rebind(set(b.param_ids))  # flat keys view the new buffer
+            self._regions = None
             for i, first in plan.alias_of.items():
                 params[i].data = params[first].data
         else:
@@ -207,6 +229,8 @@ class Replicas:
         key = (exchange_frozen, tuple(p.requires_grad for p in plan.params))
         if key not in self._messages:
             active = (lambda pid: True) if exchange_frozen else plan.trainable
+            if len(self._messages) > 16:  # one plan per trainable mask seen: keep it bounded
+                self._messages.clear()
             self._messages[key] = plan_messages(plan.buckets, plan.world_size, active)
         exchange_pieces(self.ex, self._messages[key], plan.element_view)
 

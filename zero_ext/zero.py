@@ -9,6 +9,7 @@ every rank. docs/design.md describes the whole.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Any, Callable
@@ -43,6 +44,17 @@ def is_elementwise(optimizer_class: type) -> bool:
         return True
     return (getattr(optimizer_class, "__module__", "").startswith("torch.optim")
             and optimizer_class.__name__ in _ELEMENTWISE)
+
+
+def _plain(v):
+    """A hyperparameter as plain, process-independent data (objects by type name only)."""
+    if isinstance(v, torch.Tensor):
+        return tuple(v.detach().reshape(-1).tolist()) if v.numel() <= 16 else tuple(v.shape)
+    if isinstance(v, (bool, int, float, str, type(None))):
+        return v
+    if isinstance(v, (tuple, list)):
+        return tuple(_plain(x) for x in v)
+    return type(v).__qualname__
 
 
 class _ZeroJoinHook(JoinHook):
@@ -303,9 +315,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Join.notify_join_context(self)
         mask = self._trainable_mask()
         mask_hash = hash(tuple(mask)) & ((1 << 62) - 1)
-        if self._replicas.overlapped:
-            # The overlapped step broadcasts from inside the local step, over buffers laid
-            # out by the trainable params: agree on those before anything is sent.
+        if self._replicas.overlapped or self._replicas.frozen_outside_buckets:
+            # Bucket views laid out by the trainable params (and, when overlapped, sent from
+            # inside the local step): agree on those before anything is rebuilt or sent.
             self._check_same_mask(*agree(self.process_group, self.world_size, None,
                                          "ZeroRedundancyOptimizer.step",
                                          (mask_hash, -mask_hash)))
@@ -322,32 +334,49 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._copy_hyperparameters(self.param_groups, self.optim.param_groups)
         use_fused = not kwargs and self._fused_step_supported()
         replicas = self._replicas
-        sends = replicas.overlapped_sends() if use_fused and replicas.overlapped else None
         try:
             if replicas.refresh() and self._stepper is not None:
                 self._stepper.reset()  # cached views of moved params
-            if use_fused:
-                if closure is not None:
-                    with torch.enable_grad():
-                        loss = closure()
-                self._fused_step().run(after_chunk=sends.send if sends else None)
-            else:
-                loss = self._generic_step(closure, **kwargs)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             error = exc
+        # after refresh: it may give a bucket a new buffer
+        sends = replicas.overlapped_sends() if use_fused and replicas.overlapped else None
+        if error is None:
+            try:
+                if use_fused:
+                    if closure is not None:
+                        with torch.enable_grad():
+                            loss = closure()
+                    self._fused_step().run(after_chunk=sends.send if sends else None)
+                else:
+                    loss = self._generic_step(closure, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+                error = exc
         if sends is not None:
             sends.finish()  # the chunks not sent yet (all of them after an early failure)
         t1 = time.perf_counter()
-        frozen_stepped, top, bottom = agree(
+        hp = self._hyperparameter_digest()
+        frozen_stepped, top, bottom, hp_top, hp_bottom = agree(
             self.process_group, self.world_size, error, "ZeroRedundancyOptimizer.step",
-            (int(replicas.stepped_a_frozen_param()), mask_hash, -mask_hash))
+            (int(replicas.stepped_a_frozen_param()), mask_hash, -mask_hash, hp, -hp))
         self._check_same_mask(top, bottom)
+        if hp_top != -hp_bottom:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer.step: ranks stepped with different hyperparameters "
+                "(lr, betas, weight_decay, ...) in some param group; a scheduler or a manual "
+                "change must act alike on every rank")
         replicas.sync(exchange_frozen=bool(frozen_stepped), buffers_sent=sends is not None)
         self._copy_hyperparameters(self.optim.param_groups, self.param_groups)
         t2 = time.perf_counter()
         local = t1 - t0 - (sends.comm if sends else 0.0)
         self.last_step_timings = {"local": local, "comm": t2 - t0 - local, "total": t2 - t0}
         return loss
+
+    def _hyperparameter_digest(self) -> int:
+        """60 bits of a stable hash of every group's hyperparameters (what this step uses)."""
+        text = repr([sorted((k, _plain(v)) for k, v in g.items() if k != "params")
+                     for g in self.optim.param_groups])
+        return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
     @staticmethod
     def _check_same_mask(top: int, bottom: int) -> None:

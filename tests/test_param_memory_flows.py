@@ -174,3 +174,23 @@ def test_fused_adamw_complex_after_replacing_memory_and_resetting_state():
         ref.step()
     for p, r in zip(ps, rs):
         torch.testing.assert_close(p.detach(), r.detach(), atol=ATOL, rtol=RTOL)
+
+
+def _sgd_wrong_size_state(rank, world):
+    from zero_ext import ZeroRedundancyOptimizer
+
+    ps = _params([(6, 6), (5,)])
+    opt = ZeroRedundancyOptimizer(ps, torch.optim.SGD, sharding="param", lr=0.1, momentum=0.9)
+    sd = {"state": {0: {"momentum_buffer": torch.zeros(5)}},
+          "param_groups": [{**{k: v for k, v in opt.param_groups[0].items() if k != "params"},
+                            "params": [0, 1]}]}
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_wrong_size_sgd_state_is_refused_at_load_on_every_rank():
+    for r, msg in enumerate(run_world(_sgd_wrong_size_state, 2, timeout=120)):
+        assert msg is not None and "momentum_buffer" in msg, f"rank {r}: {msg!r}"

@@ -260,6 +260,26 @@ def required_state_keys(optimizer_class: type, group: dict) -> tuple[str, ...]:
     return ()
 
 
+# Per-param state tensors of torch's built-in optimizers that hold one value per element.
+_PER_ELEMENT_KEYS = {
+    "SGD": ("momentum_buffer",), "Adagrad": ("sum",), "Adadelta": ("square_avg", "acc_delta"),
+    "RMSprop": ("square_avg", "momentum_buffer", "grad_avg"), "Adamax": ("exp_avg", "exp_inf"),
+    "NAdam": ("exp_avg", "exp_avg_sq"), "RAdam": ("exp_avg", "exp_avg_sq"),
+    "Rprop": ("prev", "step_size"), "ASGD": ("ax",),
+    "Adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "AdamW": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+}
+
+
+def _per_element_keys(optimizer_class: type) -> tuple[str, ...]:
+    if issubclass(optimizer_class, FusedAdamW):
+        return _PER_ELEMENT_KEYS["AdamW"]
+    for base in optimizer_class.__mro__:
+        if base.__module__.startswith("torch.optim") and base.__name__ in _PER_ELEMENT_KEYS:
+            return _PER_ELEMENT_KEYS[base.__name__]
+    return ()
+
+
 def state_problems(opt: "ZeroRedundancyOptimizer", pid: int, names, numels: dict) -> list[str]:
     """What is wrong with the saved state of global param `pid` for this optimizer:
     `names` are its state keys, `numels` the element count of each tensor-valued key."""
@@ -274,9 +294,9 @@ def state_problems(opt: "ZeroRedundancyOptimizer", pid: int, names, numels: dict
             out.append(f"param {pid} (group {gi}) has state {sorted(names)} but "
                        f"{cls.__name__} needs {missing} (saved by another optimizer class, "
                        "or with other settings such as amsgrad?)")
-    for k in required_state_keys(cls, opt.param_groups[gi]):
+    for k in _per_element_keys(cls):
         n = numels.get(k)
-        if k != "step" and n is not None and n != p.numel():
+        if n is not None and n != p.numel():
             out.append(f"param {pid} (group {gi}): state {k!r} has {n} elements, the param "
                        f"has {p.numel()} (shape {tuple(p.shape)})")
     if opt.sharding == layout.FLAT:

@@ -120,8 +120,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                         "sharding='flat' cannot split parameters that share memory (params "
                         f"{sorted(aliases)} alias earlier ones, as after `b.data = a.data`); "
                         "use sharding='param', or tie them as one Parameter")
+            # (aliases and contiguity decide sharding="auto": part of what must agree)
             lines = groups_mod.describe(groups, {
                 "optimizer_class": optimizer_class.__qualname__, "sharding": sharding,
+                "params sharing memory": sorted(aliases.items()),
+                "non-contiguous params": [i for i, p in enumerate(flat_params)
+                                          if not p.is_contiguous()],
                 "parameters_as_bucket_view": bool(parameters_as_bucket_view),
                 "defaults": sorted(defaults.items())})
         except Exception as exc:  # noqa: BLE001 - re-raised after the other ranks know

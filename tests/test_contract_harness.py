@@ -725,6 +725,20 @@ def targeted_specs() -> list:
             _spec(w, "adamw", [S, ("freeze", {"i": 2, "stale": False}), S, S], tie=[1, 2],
                   shapes=[(5,), (5,), (5,)], bv=True,
                   groups=[{"idx": [0, 2], "hyper": {}}, {"idx": [1], "hyper": {}}]),
+            # (found by long harness runs) every param's memory replaced, then a freeze
+            # rebuilds the bucket views in the same step: new buffers could reuse the old
+            # buffers' addresses and be mistaken for them (flaky: run it a few times)
+            *[_spec(w, "adamw", [("overwrite", {"how": "assign"}),
+                                 ("freeze", {"i": 4, "stale": True}), S, S], bv=True,
+                    tie=[2, 3], shapes=[(9, 5), (31,), (7,), (7,), (4, 3, 2), (17,), (64,)],
+                    groups=[{"idx": [0, 1, 2, 3, 5, 6], "hyper": {}},
+                            {"idx": [4], "hyper": {"weight_decay": 0.0}}],
+                    seed=301 + k) for k in range(3)],
+            # (found by long harness runs) a torch-format load applies optimizer_class's
+            # own policy (AdamW: decoupled_weight_decay=True); a checkpoint load restores
+            _spec(w, "adamw", [S, ("hyper", {"g": 0, "key": "decoupled_weight_decay",
+                                             "value": False}), S, ("sd_roundtrip", {}), S,
+                               ("ckpt", {"fresh": False}), S]),
             # 4: defaults before the first step: state dict round trip, OneCycleLR
             _spec(w, "adamw", [("sd_roundtrip", {}), S, ("sched", {}), S, ("sched", {}), S],
                   sched="onecycle", defaults={"lr": 1e-3}),

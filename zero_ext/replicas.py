@@ -80,12 +80,14 @@ class Replicas:
         self.plan = plan
         known = len(self._ptrs)
         if fresh:
-            old = {buf.untyped_storage().data_ptr() for buf in self.buffers.values()}
-            self.buffers = {}
+            # The old buffers stay referenced until the new ones exist: a new buffer must
+            # not reuse an old one's address, or it would look like an old buffer below.
+            old_buffers, self.buffers = list(self.buffers.values()), {}
             if self.bucket_view:
                 for bi in range(len(plan.buckets)):
                     self._attach_buffer(bi)
-                self._release_old_buffers(old)
+                self._release_old_buffers({b.untyped_storage().data_ptr() for b in old_buffers})
+            del old_buffers
             known = 0  # every param was (re)placed from its current memory
         elif self.bucket_view:
             for bi in range(len(self.buffers), len(plan.buckets)):

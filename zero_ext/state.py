@@ -227,10 +227,13 @@ def torch_groups(opt: "ZeroRedundancyOptimizer") -> list[dict]:
 
 
 def install(opt: "ZeroRedundancyOptimizer", saved_groups: list[dict],
-            local_states: dict[int, dict]) -> None:
+            local_states: dict[int, dict], class_policy: bool = False) -> None:
     """Copy the saved groups' hyperparameters into the optimizer and load `local_states`
-    (local index, as in local_keys order -> state) into the local optimizer. The values
-    must not be shared with anything the caller keeps: the optimizer steps them in place."""
+    (local index, in plan.local_pieces order -> state) into the local optimizer. The values
+    must not be shared with anything the caller keeps: the optimizer steps them in place.
+    `class_policy`: the hyperparameters become what optimizer_class's own load_state_dict
+    makes of them, as for a plain torch optimizer (a torch-format load); else they are
+    restored exactly (our own checkpoints)."""
     for g, sg in zip(opt.param_groups, saved_groups):
         for k, v in sg.items():
             if k not in ("params", "param_names"):
@@ -242,6 +245,11 @@ def install(opt: "ZeroRedundancyOptimizer", saved_groups: list[dict],
         local_groups.append({**hyper, "params": list(range(idx, idx + n))})
         idx += n
     opt.optim.load_state_dict({"state": local_states, "param_groups": local_groups})
+    if class_policy:  # e.g. AdamW sets decoupled_weight_decay=True on load
+        for g, lg in zip(opt.param_groups, opt.optim.param_groups):
+            for k, v in lg.items():
+                if k != "params":
+                    g[k] = v
     stepper = getattr(opt, "_stepper", None)
     if stepper is not None and hasattr(stepper, "reset"):
         stepper.reset()
@@ -362,7 +370,7 @@ def load(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> None:
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = exc
     agree(opt.process_group, opt.world_size, error, "load_state_dict")
-    install(opt, state_dict["param_groups"], local_state_)
+    install(opt, state_dict["param_groups"], local_state_, class_policy=True)
 
 
 def _piece_state(plan: layout.ShardPlan, lp: layout.LocalPiece, saved: dict) -> dict:

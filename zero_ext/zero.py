@@ -108,9 +108,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             groups = groups_mod.normalize_param_groups(params)
             groups_mod.validate_hyperparameters(optimizer_class, groups, defaults)
             flat_params = [p for g in groups for p in g["params"]]
-            if any(p.is_complex() for p in flat_params) and parameters_as_bucket_view:
-                raise ValueError("parameters_as_bucket_view=True does not support complex "
-                                 "parameters (the flat buffers are real)")
             aliases = layout.find_aliases(flat_params)
             if sharding == "flat":
                 if any(not p.is_contiguous() for p in flat_params):

@@ -12,12 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import digest, first_difference
-
-
-def _flag_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+from .sync import backend_device
 
 
 def agree(group, world_size: int, error: BaseException | None, what: str,
@@ -35,7 +30,7 @@ def agree(group, world_size: int, error: BaseException | None, what: str,
         return list(flags)
     group = group if group is not None else dist.group.WORLD
     vals = torch.tensor([0 if error is None else 1, *flags], dtype=torch.int64,
-                        device=_flag_device(group))
+                        device=backend_device(group))
     dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
     vals = vals.tolist()
     if vals[0]:

@@ -150,6 +150,17 @@ def _value_repr(value: Any) -> str:
     return repr(value)
 
 
+def hyperparameters(group: dict) -> dict:
+    """A param group's entries other than its params."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def copy_hyperparameters(src: list[dict], dst: list[dict]) -> None:
+    """Every non-params entry of each group of `src` into the matching group of `dst`."""
+    for s, d in zip(src, dst):
+        d.update(hyperparameters(s))
+
+
 def describe(groups: list[dict], extra: dict) -> list[str]:
     """One line per fact that must agree on every rank (structure, shapes, hyperparameters)."""
     lines = [f"{k} = {_value_repr(v)}" for k, v in sorted(extra.items())]

@@ -28,6 +28,7 @@ import torch
 from . import layout
 from .agree import agree
 from .fused_adamw import FusedAdamW
+from .groups import copy_hyperparameters, hyperparameters
 from .sync import gather_objects, recv_segments, send_segments
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -217,7 +218,7 @@ def torch_groups(opt: "ZeroRedundancyOptimizer") -> list[dict]:
     groups, start = [], 0
     for g in opt.param_groups:
         n = len(g["params"])
-        groups.append({**{k: v for k, v in g.items() if k != "params"},
+        groups.append({**hyperparameters(g),
                        "params": list(range(start, start + n))})
         start += n
     return groups
@@ -241,15 +242,11 @@ def install(opt: "ZeroRedundancyOptimizer", saved_groups: list[dict],
     local_groups, idx = [], 0
     for gi, g in enumerate(opt.param_groups):
         n = len(opt.plan.local_pieces(gi))
-        hyper = {k: v for k, v in g.items() if k != "params"}
-        local_groups.append({**hyper, "params": list(range(idx, idx + n))})
+        local_groups.append({**hyperparameters(g), "params": list(range(idx, idx + n))})
         idx += n
     opt.optim.load_state_dict({"state": local_states, "param_groups": local_groups})
     if class_policy:  # e.g. AdamW sets decoupled_weight_decay=True on load
-        for g, lg in zip(opt.param_groups, opt.optim.param_groups):
-            for k, v in lg.items():
-                if k != "params":
-                    g[k] = v
+        copy_hyperparameters(opt.optim.param_groups, opt.param_groups)
     stepper = getattr(opt, "_stepper", None)
     if stepper is not None and hasattr(stepper, "reset"):
         stepper.reset()

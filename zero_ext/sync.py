@@ -291,7 +291,8 @@ def message_plan(seg_descs: list[tuple], chunk: int) -> list[tuple[str, list[tup
     return plan
 
 
-def _transport_device(group) -> torch.device:
+def backend_device(group) -> torch.device:
+    """Where tensors handed to `group`'s collectives must live (NCCL: the current GPU)."""
     if "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -319,7 +320,7 @@ def send_segments(group, tensors: list[torch.Tensor], descs: list[tuple], dst: i
                   chunk: int) -> None:
     """Send 1-D `tensors` (described by `descs`: (.., .., .., length, dtype name, ..)) to
     group rank `dst`, which calls recv_segments with the same descs."""
-    dev = _transport_device(group)
+    dev = backend_device(group)
     backend = dist.get_backend(group)
     dst = dist.get_global_rank(group, dst)
     plan = message_plan(descs, chunk)
@@ -345,7 +346,7 @@ def send_segments(group, tensors: list[torch.Tensor], descs: list[tuple], dst: i
 def recv_segments(group, seg_descs: list[tuple], dests: list[torch.Tensor], src: int,
                   chunk: int) -> None:
     """Receive what group rank `src` sends with send_segments into `dests`."""
-    dev = _transport_device(group)
+    dev = backend_device(group)
     backend = dist.get_backend(group)
     src = dist.get_global_rank(group, src)
     plan = message_plan(seg_descs, chunk)

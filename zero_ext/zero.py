@@ -202,8 +202,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """One local group per global group (possibly empty), hyperparameters included."""
         out = []
         for gi, g in enumerate(self.param_groups):
-            hyper = {k: v for k, v in g.items() if k != "params"}
-            out.append({**hyper, "params": self.plan.local_keys(gi)})
+            out.append({**groups_mod.hyperparameters(g), "params": self.plan.local_keys(gi)})
         return out
 
     def _fused_step_supported(self) -> bool:
@@ -293,8 +292,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         else:
             self.plan.add_generation(ids, initial=False)
             self._layout_changed(fresh_buffers=False)
-            hyper = {k: v for k, v in self.param_groups[gi].items() if k != "params"}
-            self.optim.add_param_group({**hyper, "params": self.plan.local_keys(gi)})
+            self.optim.add_param_group({**groups_mod.hyperparameters(self.param_groups[gi]),
+                                        "params": self.plan.local_keys(gi)})
         self._adopt_optimizer_defaults()
 
     def _layout_changed(self, fresh_buffers: bool) -> None:
@@ -332,7 +331,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         t0 = time.perf_counter()
         # Decided from what every rank shares (all params, the groups, kwargs), so every
         # rank issues the same collectives whatever happens locally below.
-        self._copy_hyperparameters(self.param_groups, self.optim.param_groups)
+        groups_mod.copy_hyperparameters(self.param_groups, self.optim.param_groups)
         use_fused = not kwargs and self._fused_step_supported()
         replicas = self._replicas
         try:
@@ -367,7 +366,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "(lr, betas, weight_decay, ...) in some param group; a scheduler or a manual "
                 "change must act alike on every rank")
         replicas.sync(exchange_frozen=bool(frozen_stepped), buffers_sent=sends is not None)
-        self._copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        groups_mod.copy_hyperparameters(self.optim.param_groups, self.param_groups)
         t2 = time.perf_counter()
         local = t1 - t0 - (sends.comm if sends else 0.0)
         self.last_step_timings = {"local": local, "comm": t2 - t0 - local, "total": t2 - t0}
@@ -375,7 +374,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _hyperparameter_digest(self) -> int:
         """60 bits of a stable hash of every group's hyperparameters (what this step uses)."""
-        text = repr([sorted((k, _plain(v)) for k, v in g.items() if k != "params")
+        text = repr([sorted((k, _plain(v)) for k, v in groups_mod.hyperparameters(g).items())
                      for g in self.optim.param_groups])
         return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
@@ -416,13 +415,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Drop the views again so the user's zero_grad(set_to_none) frees the grads."""
         for lp in self.plan.local:
             lp.key.grad = None
-
-    @staticmethod
-    def _copy_hyperparameters(src: list[dict], dst: list[dict]) -> None:
-        for s, d in zip(src, dst):
-            for k, v in s.items():
-                if k != "params":
-                    d[k] = v
 
     # ------------------------------------------------------------------ join
 

@@ -300,13 +300,18 @@ def _preload(configs) -> dict:
     return out
 
 
-def run(rank: int, world: int, opts: dict, out_path: str) -> None:
+def init_rank(rank: int, world: int, opts: dict) -> None:
+    """A benchmark rank's process setup: threads, and the gloo world on localhost."""
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
     torch.set_num_threads(opts["threads"])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(opts["port"])
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=opts["timeout"]))
+
+
+def run(rank: int, world: int, opts: dict, out_path: str) -> None:
+    init_rank(rank, world, opts)
     try:
         preload = _preload(opts["configs"])  # imports + native-op load stay out of the timings
         shapes = model_params(opts["small"])

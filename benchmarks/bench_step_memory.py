@@ -45,7 +45,6 @@ transient being measured (up to ~1x model today) + runtime: about 2.5 GB, 5 GB i
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -53,7 +52,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -143,12 +141,7 @@ def measure_mode(mode: str, shapes, grads, warmup: int, steps: int) -> dict:
 
 
 def worker(rank: int, world: int, opts: dict, out_path: str) -> None:
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
-    torch.set_num_threads(opts["threads"])
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(opts["port"])
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=opts["timeout"]))
+    zw.init_rank(rank, world, opts)
     try:
         preload = zw._preload(opts["modes"])  # imports and native ops outside the measurement
         peak_ok = _reset_peak()

@@ -10,6 +10,8 @@
 // (or, for device-resident steps, computes) the scalars into shared memory; the element loop
 // uses 4-wide vector loads when the segment's pointers are aligned, fp32 math, and stores the
 // state in its own dtype. grad_scale and found_inf are read on the device (no host sync).
+// A bf16/fp16 segment with a float32 master is computed on the master (fp32 state); an
+// element whose param no longer holds the master's rounding takes the param's value first.
 // Launches are split only if the chunk count exceeds the grid limit.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -41,7 +43,7 @@ using adamw::kF32;
 using adamw::kBF16;
 using adamw::kF16;
 using adamw::kind_of;
-enum Flag : int { kAms = 1 << 4, kAligned = 1 << 5 };
+enum Flag : int { kAms = 1 << 4, kAligned = 1 << 5, kMaster = 1 << 6 };
 
 struct Scalars {  // float scalars of one segment (see make_scalars)
   float decay, lerp_w, beta2, one_minus_beta2, neg_step_size, bc2_sqrt, eps, grad_mul;
@@ -59,11 +61,12 @@ struct SegMeta {
   void* m;
   void* v;
   void* vmax;
+  float* w;  // the float32 master, or null
   int64_t numel;
   Scalars sc;
   int32_t group;
   int32_t index;  // position in the op's lists (for steps on the device)
-  int32_t flags;  // bits 0-1 param kind, 2-3 state kind, kAms, kAligned
+  int32_t flags;  // bits 0-1 param kind, 2-3 state kind, kAms, kAligned, kMaster
   int32_t pad_;
 };
 
@@ -102,6 +105,17 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
   return __float2bfloat16_rn(x);
 }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ unsigned short bits16(__nv_bfloat16 x) {
+  return __bfloat16_as_ushort(x);
+}
+__device__ __forceinline__ unsigned short bits16(__half x) { return __half_as_ushort(x); }
+
+// The value a mastered element is updated from: the master, unless the param was written by
+// someone else since the last step (its bits differ from the master's rounding).
+template <typename PT>
+__device__ __forceinline__ float master_or_param(float w, PT p) {
+  return bits16(from_f<PT>(w)) == bits16(p) ? w : to_f(p);
+}
 
 // 4 consecutive elements: one 16-byte (fp32) or 8-byte (16-bit) access; needs alignment.
 template <typename T> struct Pack4;
@@ -116,6 +130,14 @@ __device__ __forceinline__ void load4(const T* ptr, float (&r)[kVec]) {
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int k = 0; k < kVec; ++k) r[k] = to_f(e[k]);
+}
+template <typename T>
+__device__ __forceinline__ void load4_raw(const T* ptr, T (&r)[kVec]) {
+  using V = typename Pack4<T>::type;
+  V raw = *reinterpret_cast<const V*>(ptr);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) r[k] = e[k];
 }
 template <typename T>
 __device__ __forceinline__ void store4(T* ptr, const float (&r)[kVec]) {
@@ -144,7 +166,8 @@ __device__ __forceinline__ void adamw_element(float& p, float g, float& m, float
   p = p * c.decay + c.neg_step_size * m / denom;
 }
 
-template <typename PT, typename ST, bool AMS>
+// MW: the segment has a float32 master (PT bf16/fp16, ST float); the update runs on it.
+template <typename PT, typename ST, bool AMS, bool MW>
 __device__ void run_chunk(const SegMeta& s, const Scalars& c, float grad_div, int64_t start,
                           int64_t end, bool aligned) {
   PT* __restrict__ p = static_cast<PT*>(s.p);
@@ -152,6 +175,7 @@ __device__ void run_chunk(const SegMeta& s, const Scalars& c, float grad_div, in
   ST* __restrict__ m = static_cast<ST*>(s.m);
   ST* __restrict__ v = static_cast<ST*>(s.v);
   ST* __restrict__ x = static_cast<ST*>(s.vmax);
+  float* __restrict__ w = s.w;
   int64_t scalar_from = start;
   if (aligned) {  // start is a multiple of kChunk, hence of kVec: every access is aligned
     const int64_t vec_end = start + ((end - start) / kVec) * kVec;
@@ -159,12 +183,21 @@ __device__ void run_chunk(const SegMeta& s, const Scalars& c, float grad_div, in
          i += int64_t(blockDim.x) * kVec) {
       float pr[kVec], gr[kVec], mr[kVec], vr[kVec], xr[kVec];
       load4(g + i, gr);
-      load4(p + i, pr);
+      if constexpr (MW) {
+        PT praw[kVec];
+        load4_raw(p + i, praw);
+        load4(w + i, pr);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) pr[k] = master_or_param(pr[k], praw[k]);
+      } else {
+        load4(p + i, pr);
+      }
       load4(m + i, mr);
       load4(v + i, vr);
       if (AMS) load4(x + i, xr);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) adamw_element<AMS>(pr[k], gr[k], mr[k], vr[k], xr[k], c, grad_div);
+      if constexpr (MW) store4(w + i, pr);
       store4(p + i, pr);
       store4(m + i, mr);
       store4(v + i, vr);
@@ -173,9 +206,13 @@ __device__ void run_chunk(const SegMeta& s, const Scalars& c, float grad_div, in
     scalar_from = vec_end;
   }
   for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) {
-    float pe = to_f(p[i]), me = to_f(m[i]), ve = to_f(v[i]);
+    float pe;
+    if constexpr (MW) pe = master_or_param(w[i], p[i]);
+    else pe = to_f(p[i]);
+    float me = to_f(m[i]), ve = to_f(v[i]);
     float xe = AMS ? to_f(x[i]) : 0.0f;
     adamw_element<AMS>(pe, to_f(g[i]), me, ve, xe, c, grad_div);
+    if constexpr (MW) w[i] = pe;
     p[i] = from_f<PT>(pe);
     m[i] = from_f<ST>(me);
     v[i] = from_f<ST>(ve);
@@ -183,11 +220,11 @@ __device__ void run_chunk(const SegMeta& s, const Scalars& c, float grad_div, in
   }
 }
 
-template <typename PT, typename ST>
+template <typename PT, typename ST, bool MW = false>
 __device__ __forceinline__ void run_ams(const SegMeta& s, const Scalars& c, float gd, int64_t a,
                                         int64_t b, bool al, bool ams) {
-  if (ams) run_chunk<PT, ST, true>(s, c, gd, a, b, al);
-  else run_chunk<PT, ST, false>(s, c, gd, a, b, al);
+  if (ams) run_chunk<PT, ST, true, MW>(s, c, gd, a, b, al);
+  else run_chunk<PT, ST, false, MW>(s, c, gd, a, b, al);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -217,13 +254,16 @@ fused_adamw_kernel(const uint8_t* __restrict__ meta, int64_t group_off, int64_t 
   const int flags = s.flags;
   const int pk = flags & 3, sk = (flags >> 2) & 3;
   const bool ams = (flags & kAms) != 0, al = (flags & kAligned) != 0;
+  const bool mw = (flags & kMaster) != 0;
   if (pk == kF32) {
     run_ams<float, float>(s, c, grad_div, start, end, al, ams);
   } else if (pk == kBF16) {
-    if (sk == kF32) run_ams<__nv_bfloat16, float>(s, c, grad_div, start, end, al, ams);
+    if (mw) run_ams<__nv_bfloat16, float, true>(s, c, grad_div, start, end, al, ams);
+    else if (sk == kF32) run_ams<__nv_bfloat16, float>(s, c, grad_div, start, end, al, ams);
     else run_ams<__nv_bfloat16, __nv_bfloat16>(s, c, grad_div, start, end, al, ams);
   } else {
-    if (sk == kF32) run_ams<__half, float>(s, c, grad_div, start, end, al, ams);
+    if (mw) run_ams<__half, float, true>(s, c, grad_div, start, end, al, ams);
+    else if (sk == kF32) run_ams<__half, float>(s, c, grad_div, start, end, al, ams);
     else run_ams<__half, __half>(s, c, grad_div, start, end, al, ams);
   }
 }
@@ -253,9 +293,10 @@ void fused_adamw_cuda(const TensorListRef& params, const TensorListRef& grads,
                       const at::Tensor& steps, const at::Tensor& segment_groups,
                       const at::Tensor& group_hparams,
                       const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf) {
-  const int64_t S =
-      adamw::check_list_lengths(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs);
+                      const std::optional<at::Tensor>& found_inf,
+                      const TensorListRef& masters) {
+  const int64_t S = adamw::check_list_lengths(params, grads, exp_avgs, exp_avg_sqs,
+                                              max_exp_avg_sqs, masters);
   TORCH_CHECK(S < (int64_t(1) << 31), "fused_adamw_: too many segments (", S, ")");
   if (S == 0) return;
   const at::Device dev = params.get(0).device();
@@ -308,6 +349,7 @@ void fused_adamw_cuda(const TensorListRef& params, const TensorListRef& grads,
     const double* h = hp + gi * kCols;
     const bool ams = h[5] != 0.0;
     void* vmax_ptr = adamw::check_segment(i, p, g, m, v, max_exp_avg_sqs, gi, ams, dev);
+    float* master_ptr = adamw::check_master(i, p, m, v, masters, dev);
     const int pk = kind_of(p.scalar_type());
     const int64_t n = p.numel();
     if (n == 0) continue;
@@ -319,6 +361,7 @@ void fused_adamw_cuda(const TensorListRef& params, const TensorListRef& grads,
     s.m = m.data_ptr();
     s.v = v.data_ptr();
     s.vmax = vmax_ptr;
+    s.w = master_ptr;
     s.numel = n;
     if (!steps_on_device) {  // segments of a group mostly share a step: compute it once
       const float step = host_steps[i];
@@ -333,8 +376,10 @@ void fused_adamw_cuda(const TensorListRef& params, const TensorListRef& grads,
     s.index = static_cast<int32_t>(i);
     const int64_t pw = kVec * p.element_size(), sw = kVec * m.element_size();
     const bool al = aligned_to(s.p, pw) && aligned_to(s.g, pw) && aligned_to(s.m, sw) &&
-                    aligned_to(s.v, sw) && (!ams || aligned_to(vmax_ptr, sw));
-    s.flags = pk | (sk << 2) | (ams ? kAms : 0) | (al ? kAligned : 0);
+                    aligned_to(s.v, sw) && (!ams || aligned_to(vmax_ptr, sw)) &&
+                    (master_ptr == nullptr || aligned_to(master_ptr, kVec * 4));
+    s.flags = pk | (sk << 2) | (ams ? kAms : 0) | (al ? kAligned : 0) |
+              (master_ptr != nullptr ? kMaster : 0);
     const int64_t nc = (n + kChunk - 1) / kChunk;
     TORCH_CHECK(nc < (int64_t(1) << 31), "fused_adamw_: segment ", i, " is too large");
     n_chunks += nc;

@@ -1,6 +1,7 @@
 // Host-side pieces shared by the CPU (fused_adamw_cpu.cpp) and CUDA (fused_adamw.cu)
 // kernels of zero_ext::fused_adamw_: the group table's layout, the dtype kinds the kernels
-// cover, and the checks of one segment (run for every segment before anything is written).
+// cover, and the checks of one segment and its master (run for every segment before anything
+// is written).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -24,11 +25,12 @@ inline int kind_of(at::ScalarType t) {
   }
 }
 
-// The four lists have one entry per segment; max_exp_avg_sqs one too, or none.
+// The four lists have one entry per segment; max_exp_avg_sqs and masters one too, or none.
 inline int64_t check_list_lengths(const TensorListRef& params, const TensorListRef& grads,
                                   const TensorListRef& exp_avgs,
                                   const TensorListRef& exp_avg_sqs,
-                                  const TensorListRef& max_exp_avg_sqs) {
+                                  const TensorListRef& max_exp_avg_sqs,
+                                  const TensorListRef& masters) {
   const int64_t S = static_cast<int64_t>(params.size());
   TORCH_CHECK(static_cast<int64_t>(grads.size()) == S &&
                   static_cast<int64_t>(exp_avgs.size()) == S &&
@@ -39,6 +41,9 @@ inline int64_t check_list_lengths(const TensorListRef& params, const TensorListR
   TORCH_CHECK(max_exp_avg_sqs.empty() || static_cast<int64_t>(max_exp_avg_sqs.size()) == S,
               "fused_adamw_: max_exp_avg_sqs must be empty or have one entry per segment (",
               S, "), got ", max_exp_avg_sqs.size());
+  TORCH_CHECK(masters.empty() || static_cast<int64_t>(masters.size()) == S,
+              "fused_adamw_: masters must be empty or have one entry per segment (", S,
+              "), got ", masters.size());
   return S;
 }
 
@@ -79,6 +84,31 @@ inline void* check_segment(int64_t i, const at::Tensor& p, const at::Tensor& g,
               "fused_adamw_: max_exp_avg_sqs[", i, "] must be a contiguous tensor on ",
               device, " with ", n, " elements of dtype ", m.scalar_type());
   return x.data_ptr();
+}
+
+// Checks the master of segment i (after check_segment) and returns its data pointer, or
+// nullptr when the segment has none (masters empty, or an empty entry). A master is the
+// float32 copy of a bfloat16 / float16 param; the kernels then keep all state in float32
+// (check_segment has already tied max_exp_avg_sqs[i]'s dtype to exp_avgs[i]'s).
+inline float* check_master(int64_t i, const at::Tensor& p, const at::Tensor& m,
+                           const at::Tensor& v, const TensorListRef& masters,
+                           const at::Device& device) {
+  if (masters.empty()) return nullptr;
+  const at::Tensor& w = masters.get(i);
+  if (!w.defined() || w.numel() == 0) return nullptr;
+  TORCH_CHECK(p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
+              "fused_adamw_: masters[", i, "] is given but params[", i, "] is ",
+              p.scalar_type(), " (masters are for bfloat16 / float16 params)");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == p.numel() && w.device() == device,
+              "fused_adamw_: masters[", i, "] must be float32 with ", p.numel(),
+              " elements on ", device, ", got ", w.scalar_type(), " with ", w.numel(), " on ",
+              w.device());
+  TORCH_CHECK(w.is_contiguous(), "fused_adamw_: masters[", i, "] is not contiguous (the "
+              "Python wrapper zero_ext.kernels.fused_adamw_ accepts that)");
+  TORCH_CHECK(m.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "fused_adamw_: segment ", i, " has a master, so its exp_avgs and exp_avg_sqs "
+              "must be float32, got ", m.scalar_type(), " and ", v.scalar_type());
+  return w.data_ptr<float>();
 }
 
 }  // namespace adamw

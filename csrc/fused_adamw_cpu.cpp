@@ -9,12 +9,16 @@
 // Arithmetic as in docs/design.md, "AdamW arithmetic": per-segment scalars in double, cast
 // to float once; per element fp32 math, state stored in the param dtype or in fp32.
 //
+// Mixed precision: a bf16/fp16 segment with a float32 master runs on the master (fp32 state);
+// an element whose param no longer holds the master's rounding takes the param's value first.
+//
 // Vectorization: fp32 params with fp32 state (the common case) run one pass of explicit
 // AVX-512 or AVX2 vectors, chosen at run time. The other dtype mixes (bf16/fp16 params, state
-// in the param dtype or fp32) run plain C++ loops that the compiler vectorizes; the shipped
-// build (no -march) gets runtime ISA dispatch for them via GCC target_clones on x86-64. Those
-// loops take a separate sqrt pass over a small L1-resident block, because with -fmath-errno
-// (GCC's default) a sqrt call inside a loop stops the loop from being vectorized.
+// in the param dtype or fp32, with or without a master) run plain C++ loops that the compiler
+// vectorizes; the shipped build (no -march) gets runtime ISA dispatch for them via GCC
+// target_clones on x86-64. Those loops take a separate sqrt pass over a small L1-resident
+// block, because with -fmath-errno (GCC's default) a sqrt call inside a loop stops the loop
+// from being vectorized.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -73,6 +77,8 @@ using adamw::kind_of;
 // ---- element conversions (inline, branch-free, so loops vectorize) -----------------------
 struct bf16_t { uint16_t x; };
 struct f16_t { uint16_t x; };
+ZX_INLINE uint32_t raw(bf16_t v) { return v.x; }
+ZX_INLINE uint32_t raw(f16_t v) { return v.x; }
 
 ZX_INLINE float to_f(float v) { return v; }
 ZX_INLINE float to_f(bf16_t v) {
@@ -150,6 +156,7 @@ struct Segment {
   void* m;
   void* v;
   void* vmax;  // null unless amsgrad
+  float* w;    // the float32 master, or null
   int64_t numel;
   int pkind;
   int skind;
@@ -170,7 +177,8 @@ ZX_INLINE void sqrt_inplace(float* t, int64_t n) {
   for (; i < n; ++i) t[i] = std::sqrt(t[i]);
 }
 
-template <typename PT, typename ST, bool AMS>
+// MW: the segment has a float32 master (PT bf16/fp16, ST float); the update runs on it.
+template <typename PT, typename ST, bool AMS, bool MW>
 ZX_INLINE void adamw_range(
     const Segment& s, int64_t begin, int64_t end) {
   PT* __restrict p = static_cast<PT*>(s.p) + begin;
@@ -178,6 +186,7 @@ ZX_INLINE void adamw_range(
   ST* __restrict m = static_cast<ST*>(s.m) + begin;
   ST* __restrict v = static_cast<ST*>(s.v) + begin;
   ST* __restrict vmax = AMS ? static_cast<ST*>(s.vmax) + begin : nullptr;
+  float* __restrict w = MW ? s.w + begin : nullptr;
   const Scalars c = s.sc;
   alignas(64) float m32[kBlock];
   alignas(64) float den[kBlock];
@@ -210,26 +219,42 @@ ZX_INLINE void adamw_range(
     for (int64_t i = 0; i < nb; ++i) {
       const int64_t j = b0 + i;
       const float d = den[i] / c.bc2_sqrt + c.eps;
-      const float pd = to_f(p[j]) * c.decay;
-      from_f(&p[j], pd + c.neg_step_size * m32[i] / d);
+      if constexpr (MW) {
+        // The param is the source of truth: one written by someone else since the last step
+        // (its bits differ from the master's rounding) replaces the master.
+        const float wj = w[j];
+        PT r;
+        from_f(&r, wj);
+        const float cur = bits_f(pick(raw(r) != raw(p[j]), f_bits(to_f(p[j])), f_bits(wj)));
+        const float pn = cur * c.decay + c.neg_step_size * m32[i] / d;
+        w[j] = pn;
+        from_f(&p[j], pn);
+      } else {
+        const float pd = to_f(p[j]) * c.decay;
+        from_f(&p[j], pd + c.neg_step_size * m32[i] / d);
+      }
     }
   }
 }
 
-#define ZX_DEFINE_KERNEL(NAME, PT, ST, AMS)                                       \
+#define ZX_DEFINE_KERNEL(NAME, PT, ST, AMS, MW)                                   \
   ZX_CLONES void NAME(const Segment& s, int64_t begin, int64_t end) {             \
-    adamw_range<PT, ST, AMS>(s, begin, end);                                      \
+    adamw_range<PT, ST, AMS, MW>(s, begin, end);                                  \
   }
-ZX_DEFINE_KERNEL(k_f32_f32, float, float, false)
-ZX_DEFINE_KERNEL(k_f32_f32_ams, float, float, true)
-ZX_DEFINE_KERNEL(k_bf16_bf16, bf16_t, bf16_t, false)
-ZX_DEFINE_KERNEL(k_bf16_bf16_ams, bf16_t, bf16_t, true)
-ZX_DEFINE_KERNEL(k_bf16_f32, bf16_t, float, false)
-ZX_DEFINE_KERNEL(k_bf16_f32_ams, bf16_t, float, true)
-ZX_DEFINE_KERNEL(k_f16_f16, f16_t, f16_t, false)
-ZX_DEFINE_KERNEL(k_f16_f16_ams, f16_t, f16_t, true)
-ZX_DEFINE_KERNEL(k_f16_f32, f16_t, float, false)
-ZX_DEFINE_KERNEL(k_f16_f32_ams, f16_t, float, true)
+ZX_DEFINE_KERNEL(k_f32_f32, float, float, false, false)
+ZX_DEFINE_KERNEL(k_f32_f32_ams, float, float, true, false)
+ZX_DEFINE_KERNEL(k_bf16_bf16, bf16_t, bf16_t, false, false)
+ZX_DEFINE_KERNEL(k_bf16_bf16_ams, bf16_t, bf16_t, true, false)
+ZX_DEFINE_KERNEL(k_bf16_f32, bf16_t, float, false, false)
+ZX_DEFINE_KERNEL(k_bf16_f32_ams, bf16_t, float, true, false)
+ZX_DEFINE_KERNEL(k_bf16_master, bf16_t, float, false, true)
+ZX_DEFINE_KERNEL(k_bf16_master_ams, bf16_t, float, true, true)
+ZX_DEFINE_KERNEL(k_f16_f16, f16_t, f16_t, false, false)
+ZX_DEFINE_KERNEL(k_f16_f16_ams, f16_t, f16_t, true, false)
+ZX_DEFINE_KERNEL(k_f16_f32, f16_t, float, false, false)
+ZX_DEFINE_KERNEL(k_f16_f32_ams, f16_t, float, true, false)
+ZX_DEFINE_KERNEL(k_f16_master, f16_t, float, false, true)
+ZX_DEFINE_KERNEL(k_f16_master_ams, f16_t, float, true, true)
 #undef ZX_DEFINE_KERNEL
 
 // ---- fp32 params and state: one pass with explicit AVX-512 / AVX2 vectors ----------------
@@ -352,7 +377,7 @@ static int detect_isa() {
 
 using KernelFn = void (*)(const Segment&, int64_t, int64_t);
 
-static KernelFn pick_kernel(int pkind, int skind, bool ams) {
+static KernelFn pick_kernel(int pkind, int skind, bool ams, bool master) {
 #if ZX_HAVE_SIMD_F32
   static const int isa = detect_isa();
   if (pkind == kF32 && isa == kIsaAvx512) return ams ? k_f32_avx512_ams : k_f32_avx512;
@@ -360,9 +385,11 @@ static KernelFn pick_kernel(int pkind, int skind, bool ams) {
 #endif
   if (pkind == kF32) return ams ? k_f32_f32_ams : k_f32_f32;
   if (pkind == kBF16) {
+    if (master) return ams ? k_bf16_master_ams : k_bf16_master;
     if (skind == kF32) return ams ? k_bf16_f32_ams : k_bf16_f32;
     return ams ? k_bf16_bf16_ams : k_bf16_bf16;
   }
+  if (master) return ams ? k_f16_master_ams : k_f16_master;
   if (skind == kF32) return ams ? k_f16_f32_ams : k_f16_f32;
   return ams ? k_f16_f16_ams : k_f16_f16;
 }
@@ -405,9 +432,10 @@ void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
                      const at::Tensor& steps, const at::Tensor& segment_groups,
                      const at::Tensor& group_hparams,
                      const std::optional<at::Tensor>& grad_scale,
-                     const std::optional<at::Tensor>& found_inf) {
-  const int64_t S =
-      adamw::check_list_lengths(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs);
+                     const std::optional<at::Tensor>& found_inf,
+                     const TensorListRef& masters) {
+  const int64_t S = adamw::check_list_lengths(params, grads, exp_avgs, exp_avg_sqs,
+                                              max_exp_avg_sqs, masters);
   TORCH_CHECK(steps.scalar_type() == at::kFloat && steps.dim() == 1 && steps.numel() == S,
               "fused_adamw_: steps must be a float32 tensor of shape [", S, "], got ",
               steps.scalar_type(), " ", steps.sizes());
@@ -457,8 +485,9 @@ void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
                 " is out of range for ", G, " groups");
     const double* h = hp + gi * kCols;
     const bool ams = h[5] != 0.0;
-    void* vmax_ptr =
-        adamw::check_segment(i, p, g, m, v, max_exp_avg_sqs, gi, ams, at::Device(at::kCPU));
+    const at::Device cpu(at::kCPU);
+    void* vmax_ptr = adamw::check_segment(i, p, g, m, v, max_exp_avg_sqs, gi, ams, cpu);
+    float* master_ptr = adamw::check_master(i, p, m, v, masters, cpu);
     const int pk = kind_of(p.scalar_type());
     const int64_t n = p.numel();
     if (n == 0) continue;
@@ -468,6 +497,7 @@ void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
     s.m = m.data_ptr();
     s.v = v.data_ptr();
     s.vmax = vmax_ptr;
+    s.w = master_ptr;
     s.pkind = pk;
     s.skind = kind_of(m.scalar_type());
     // Segments of one group mostly share a step: compute each (group, step) once.
@@ -480,7 +510,7 @@ void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
     s.sc = last_sc;
     s.numel = n;
     segs.push_back(s);
-    fns.push_back(pick_kernel(pk, s.skind, ams));
+    fns.push_back(pick_kernel(pk, s.skind, ams, master_ptr != nullptr));
     offsets.push_back(offsets.back() + n);
   }
   const int64_t total = offsets.back();

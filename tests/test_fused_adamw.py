@@ -324,7 +324,18 @@ def _opcheck_args(device):
     segs = _segments(device, torch.float32, torch.float32, [64, 3], [0, 1], seed=11)
     return ([s[0] for s in segs], [s[1] for s in segs], [s[2] for s in segs],
             [s[3] for s in segs], [s[4] for s in segs], torch.tensor([1.0, 2.0]),
-            torch.tensor([0, 1]), K.group_hparams_table(GROUPS), None, None)
+            torch.tensor([0, 1]), K.group_hparams_table(GROUPS), None, None, [])
+
+
+def _opcheck_master_args(device):
+    """A bf16 segment with a float32 master, a bf16 one without, and an fp32 one."""
+    segs = (_segments(device, torch.bfloat16, torch.float32, [64, 5], [0, 1], seed=12)
+            + _segments(device, torch.float32, torch.float32, [3], [2], seed=13))
+    masters = [segs[0][0].float() + 1e-3, torch.empty(0, device=device),
+               torch.empty(0, device=device)]
+    return ([s[0] for s in segs], [s[1] for s in segs], [s[2] for s in segs],
+            [s[3] for s in segs], [s[4] for s in segs], torch.tensor([1.0, 2.0, 3.0]),
+            torch.tensor([0, 1, 2]), K.group_hparams_table(GROUPS), None, None, masters)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -335,6 +346,8 @@ def test_opcheck(device):
     args[8] = torch.tensor([2.0], device=device)
     args[9] = torch.tensor([0.0], device=device)
     torch.library.opcheck(torch.ops.zero_ext.fused_adamw_.default, tuple(args))
+    torch.library.opcheck(torch.ops.zero_ext.fused_adamw_.default,
+                          _opcheck_master_args(device))
 
 
 def test_group_hparams_table():

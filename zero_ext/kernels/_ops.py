@@ -36,12 +36,13 @@ SCHEMAS = {
     "flat_offsets": "flat_offsets(Tensor numels, int world_size, int alignment) -> Tensor",
     # One AdamW step over S segments of any param groups. steps: float32 [S] (already
     # incremented), segment_groups: int64 [S] on CPU, group_hparams: float64 [G, 7] on CPU
-    # with columns (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize).
+    # with columns (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize). masters: empty,
+    # or one entry per segment (empty, or the float32 master of a bf16/fp16 param segment).
     "fused_adamw_": (
         "fused_adamw_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
         "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor steps, "
         "Tensor segment_groups, Tensor group_hparams, Tensor? grad_scale, "
-        "Tensor? found_inf) -> ()"),
+        "Tensor? found_inf, Tensor(e!)[] masters) -> ()"),
 }
 
 _lib = torch.library.Library(NAMESPACE, "DEF")  # noqa: TOR901 (kept for the process's life)
@@ -127,7 +128,8 @@ _ADAMW_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 @torch.library.register_fake(f"{NAMESPACE}::fused_adamw_", lib=_lib)
 def _fused_adamw_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                      segment_groups, group_hparams, grad_scale=None, found_inf=None):
+                      segment_groups, group_hparams, grad_scale=None, found_inf=None,
+                      masters=()):
     op = "fused_adamw_"
     S = len(params)
     torch._check(len(grads) == S and len(exp_avgs) == S and len(exp_avg_sqs) == S,
@@ -135,6 +137,8 @@ def _fused_adamw_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
                  f"length, got {S}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}")
     torch._check(len(max_exp_avg_sqs) in (0, S),
                  lambda: f"{op}: max_exp_avg_sqs must be empty or have {S} entries")
+    torch._check(len(masters) in (0, S),
+                 lambda: f"{op}: masters must be empty or have {S} entries")
     torch._check(steps.dim() == 1 and steps.numel() == S and steps.dtype == torch.float32,
                  lambda: f"{op}: steps must be float32 [{S}]")
     torch._check(segment_groups.dim() == 1 and segment_groups.numel() == S
@@ -172,3 +176,14 @@ def _fused_adamw_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
             if x.numel():
                 torch._check(x.dtype == m.dtype and x.device == device,
                              lambda: f"{op}: max_exp_avg_sqs[{i}] must match exp_avgs[{i}]")
+        if masters and masters[i].numel():
+            w = masters[i]
+            torch._check(p.dtype in (torch.bfloat16, torch.float16),
+                         lambda: f"{op}: masters[{i}] is given but params[{i}] is {p.dtype} "
+                         "(masters are for bfloat16 / float16 params)")
+            torch._check(w.dtype == torch.float32 and w.numel() == n and w.device == device,
+                         lambda: f"{op}: masters[{i}] must be float32 with {n} elements on "
+                         f"{device}")
+            torch._check(m.dtype == torch.float32,
+                         lambda: f"{op}: segment {i} has a master, so its exp_avgs and "
+                         "exp_avg_sqs must be float32")

@@ -20,6 +20,14 @@ groups are updated by one kernel launch (CUDA) or one parallel loop (CPU).
   float32, one element): when nonzero the whole call is a no-op (the caller reverts steps).
   On CUDA both live on the params' device and are read there (no host sync).
 
+- masters (mixed precision): empty, or one entry per segment: an empty tensor, or the float32
+  master copy of a bfloat16/float16 param segment (same numel, same device; its moments must
+  be float32). Such a segment is computed on the master: the grad (in the param's dtype) is
+  upcast, master and moments are updated in float32, and the param receives the master
+  rounded to nearest even. The param is the source of truth: an element whose bits differ
+  from its master's rounding (the param was written by someone else since the last step:
+  weights loaded, surgery) first takes its master from the param.
+
 Non-contiguous tensors, and dtypes the kernels do not cover (float64), are accepted by the
 wrapper :func:`fused_adamw_`: contiguous copies are staged and written back, float64 segments
 run the reference. :func:`fused_adamw_reference_` is the pure-PyTorch oracle of the tests.
@@ -91,11 +99,16 @@ def fused_adamw_reference_(
     group_hparams: Tensor,
     grad_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    masters: Sequence[Tensor] = (),
 ) -> None:
     """Pure-PyTorch :func:`fused_adamw_`: the same arithmetic as ``torch.optim.AdamW``'s
-    for-loop, in float32 (float64 for float64 params), state written back in its own dtype."""
+    for-loop, in float32 (float64 for float64 params), state written back in its own dtype;
+    a segment with a master is computed on the master (see the module docstring)."""
     S = len(params)
     _check_lengths(S, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, segment_groups)
+    if len(masters) not in (0, S):
+        raise ValueError(f"fused_adamw_: masters must be empty or have one entry per segment "
+                         f"({S}), got {len(masters)}")
     if S == 0:
         return
     if found_inf is not None and float(found_inf.reshape(-1)[0]) != 0.0:
@@ -111,12 +124,20 @@ def fused_adamw_reference_(
             lr, beta1, beta2, eps, wd, amsgrad, maximize = table[groups[i]]
             step = step_values[i]
             cdt = torch.float64 if p.dtype == torch.float64 else torch.float32
+            master = masters[i] if masters and masters[i].numel() else None
+            if master is not None:
+                _check_master(i, p, master, exp_avgs[i], exp_avg_sqs[i])
             g = grads[i].to(cdt, copy=True)
             if maximize:
                 g.neg_()
             if grad_scale is not None:
                 g.div_(grad_scale.to(device=g.device, dtype=cdt))
-            p32 = p.to(cdt, copy=True)
+            if master is None:
+                p32 = p.to(cdt, copy=True)
+            else:  # the master, unless the param no longer holds its rounding
+                w = master.reshape(p.shape).to(torch.float32, copy=True)
+                stale = w.to(p.dtype).view(torch.int16) != p.view(torch.int16)
+                p32 = torch.where(stale, p.to(torch.float32), w)
             m = exp_avgs[i].to(cdt, copy=True)
             v = exp_avg_sqs[i].to(cdt, copy=True)
             p32.mul_(1 - lr * wd)
@@ -137,9 +158,25 @@ def fused_adamw_reference_(
             else:
                 denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
             p32.addcdiv_(m, denom, value=-step_size)
-            p.copy_(p32)
+            if master is not None:
+                master.copy_(p32.reshape(master.shape))
+            p.copy_(p32)  # rounds to nearest even for bfloat16 / float16
             exp_avgs[i].copy_(m)
             exp_avg_sqs[i].copy_(v)
+
+
+def _check_master(i: int, p: Tensor, master: Tensor, m: Tensor, v: Tensor) -> None:
+    if p.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fused_adamw_: masters[{i}] is given but params[{i}] is {p.dtype} "
+                         "(masters are for bfloat16 / float16 params)")
+    if master.dtype != torch.float32 or master.numel() != p.numel() \
+            or master.device != p.device:
+        raise ValueError(f"fused_adamw_: masters[{i}] must be float32 with {p.numel()} "
+                         f"elements on {p.device}, got {master.dtype} with {master.numel()} "
+                         f"on {master.device}")
+    if m.dtype != torch.float32 or v.dtype != torch.float32:
+        raise ValueError(f"fused_adamw_: segment {i} has a master, so its exp_avgs and "
+                         "exp_avg_sqs must be float32")
 
 
 def _check_lengths(S, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, segment_groups):
@@ -168,6 +205,7 @@ def fused_adamw_(
     group_hparams: Tensor,
     grad_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    masters: Optional[Sequence[Tensor]] = None,
 ) -> None:
     """One fused AdamW step over all segments (see the module docstring).
 
@@ -179,17 +217,15 @@ def fused_adamw_(
     Errors of the op (bad inputs, out of memory) propagate; nothing is retried.
     """
     # the caller's containers identify the call for _takes_as_is's cache (before any copy)
-    key = (id(params), id(exp_avgs), id(exp_avg_sqs), id(max_exp_avg_sqs))
+    key = (id(params), id(exp_avgs), id(exp_avg_sqs), id(max_exp_avg_sqs), id(masters))
     params, grads, exp_avgs, exp_avg_sqs = (
         x if isinstance(x, list) else list(x) for x in (params, grads, exp_avgs, exp_avg_sqs))
-    if max_exp_avg_sqs is None:
-        max_exp_avg_sqs = []
-    elif not isinstance(max_exp_avg_sqs, list):
-        max_exp_avg_sqs = list(max_exp_avg_sqs)
+    max_exp_avg_sqs, masters = ([] if x is None else x if isinstance(x, list) else list(x)
+                                for x in (max_exp_avg_sqs, masters))
     ensure_loaded()
     plan = None
-    if not _takes_as_is(key, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
-        plan = _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+    if not _takes_as_is(key, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters):
+        plan = _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
                              segment_groups, group_hparams)
     # no_grad: with grad mode on, the autograd fallback of a mutating op walks every
     # tensor that requires grad (measured +70% call time at 20000 params).
@@ -197,10 +233,10 @@ def fused_adamw_(
         if plan is None:
             torch.ops.zero_ext.fused_adamw_(params, grads, exp_avgs, exp_avg_sqs,
                                             max_exp_avg_sqs, steps, segment_groups,
-                                            group_hparams, grad_scale, found_inf)
+                                            group_hparams, grad_scale, found_inf, masters)
         else:
-            _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                        segment_groups, group_hparams, grad_scale, found_inf)
+            _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
+                        steps, segment_groups, group_hparams, grad_scale, found_inf)
 
 
 # Decisions of _takes_as_is for the lists a caller passes again and again (the AdamW engine
@@ -226,7 +262,7 @@ def _has_native_kernel(device: torch.device) -> bool:
     return known
 
 
-def _takes_as_is(key, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) -> bool:
+def _takes_as_is(key, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters) -> bool:
     """True when the op can be called on the lists as they are: no compiled kernel for the
     device (the reference takes everything), or every tensor contiguous and every param of a
     dtype the kernels cover. Grads are checked only on the first call with a given set of
@@ -241,29 +277,35 @@ def _takes_as_is(key, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) -> 
         return hit[2]
     ok = (all(map(_is_contiguous, params)) and all(map(_is_contiguous, grads))
           and all(map(_is_contiguous, exp_avgs)) and all(map(_is_contiguous, exp_avg_sqs))
-          and all(map(_is_contiguous, max_exp_avg_sqs))
+          and all(map(_is_contiguous, max_exp_avg_sqs)) and all(map(_is_contiguous, masters))
           and all(map(_native_ok, params, exp_avgs, exp_avg_sqs,
-                      max_exp_avg_sqs or [None] * len(params))))
+                      max_exp_avg_sqs or [None] * len(params),
+                      masters or [None] * len(params))))
     if len(_AS_IS_CACHE) >= _AS_IS_CACHE_MAX:
         _AS_IS_CACHE.clear()
     _AS_IS_CACHE[key] = (weakref.ref(first), weakref.ref(last), ok)
     return ok
 
 
-def _native_ok(p: Tensor, m: Tensor, v: Tensor, x: Optional[Tensor]) -> bool:
+def _native_ok(p: Tensor, m: Tensor, v: Tensor, x: Optional[Tensor],
+               w: Optional[Tensor] = None) -> bool:
     if p.dtype not in NATIVE_DTYPES or m.dtype != v.dtype:
         return False
+    if w is not None and w.numel() and (p.dtype == torch.float32 or w.dtype != torch.float32
+                                        or m.dtype != torch.float32):
+        return False  # the reference raises the clear error
     if m.dtype != p.dtype and m.dtype != torch.float32:
         return False
     return x is None or x.numel() == 0 or x.dtype == m.dtype
 
 
-def _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segment_groups,
-                  group_hparams):
+def _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
+                  segment_groups, group_hparams):
     """Which segments need contiguous copies / the reference; None when none do."""
     S = len(params)
     if (len(grads) != S or len(exp_avgs) != S or len(exp_avg_sqs) != S
-            or len(max_exp_avg_sqs) not in (0, S) or segment_groups.numel() != S
+            or len(max_exp_avg_sqs) not in (0, S) or len(masters) not in (0, S)
+            or segment_groups.numel() != S
             or group_hparams.dim() != 2 or group_hparams.size(1) != len(HPARAM_COLUMNS)):
         return None
     groups = segment_groups.tolist()
@@ -274,10 +316,12 @@ def _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segment
     for i in range(S):
         ams = table[groups[i]][5] != 0.0
         x = max_exp_avg_sqs[i] if ams and max_exp_avg_sqs else None
+        w = masters[i] if masters and masters[i].numel() else None
         seg = [params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]] + ([x] if x is not None else [])
+        seg += [w] if w is not None else []
         if any(t.numel() != params[i].numel() for t in seg):
             return None
-        if not _native_ok(params[i], exp_avgs[i], exp_avg_sqs[i], x):
+        if not _native_ok(params[i], exp_avgs[i], exp_avg_sqs[i], x, w):
             reference.append(i)
             continue
         native.append(i)
@@ -288,10 +332,11 @@ def _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segment
     return native, reference, staged
 
 
-def _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+def _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
                 segment_groups, group_hparams, grad_scale, found_inf):
     native, reference, staged = plan
     any_ams = bool(max_exp_avg_sqs)
+    any_masters = bool(masters)
     writeback = []  # (original, contiguous copy)
 
     def contig(t: Tensor, mutable: bool) -> Tensor:
@@ -304,7 +349,7 @@ def _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
 
     if native:
         stage = set(staged)
-        P, Gr, M, V, X = [], [], [], [], []
+        P, Gr, M, V, X, W = [], [], [], [], [], []
         for i in native:
             s = i in stage
             P.append(contig(params[i], True) if s else params[i])
@@ -314,11 +359,14 @@ def _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
             if any_ams:
                 x = max_exp_avg_sqs[i]
                 X.append(contig(x, True) if s and x.numel() else x)
+            if any_masters:
+                w = masters[i]
+                W.append(contig(w, True) if s and w.numel() else w)
         idx = torch.tensor(native, dtype=torch.long)
         sub_steps = steps.index_select(0, idx.to(steps.device))
         sub_groups = segment_groups.index_select(0, idx)
         torch.ops.zero_ext.fused_adamw_(P, Gr, M, V, X, sub_steps, sub_groups, group_hparams,
-                                        grad_scale, found_inf)
+                                        grad_scale, found_inf, W)
         for orig, c in writeback:
             orig.copy_(c)
     if reference:
@@ -328,4 +376,5 @@ def _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
             [exp_avgs[i] for i in reference], [exp_avg_sqs[i] for i in reference],
             [max_exp_avg_sqs[i] for i in reference] if any_ams else [],
             steps.index_select(0, idx.to(steps.device)), segment_groups.index_select(0, idx),
-            group_hparams, grad_scale, found_inf)
+            group_hparams, grad_scale, found_inf,
+            [masters[i] for i in reference] if any_masters else [])

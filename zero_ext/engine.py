@@ -11,7 +11,12 @@ the next chunk's compute). Everything AdamW-specific around the kernel lives her
   another path (torch's own optimizer, a loaded state dict) is always counted;
 - one kernel call per (chunk, device), every group in it (`kernels.fused_adamw_`);
 - complex params as real pairs (``view_as_real``), as torch's AdamW does;
-- ``grad_scale``/``found_inf`` (GradScaler): unscale inside the kernel, skip on inf.
+- ``grad_scale``/``found_inf`` (GradScaler): unscale inside the kernel, skip on inf;
+- mixed precision (``master_weights=True``): every bfloat16/float16 key gets a float32
+  master copy, kept as the extra state entry ``"master"``, and float32 moments; the kernel
+  steps the master and writes its rounding into the param (see ``kernels.adamw``). A state
+  without a master (a state dict from torch's AdamW) gets one from the param, and its
+  moments are upcast, at the next step.
 
 Host cost per step does not grow with tensor ops per param: the lists handed to the kernel
 are cached (rebuilt when the structure changes: groups, their params, the state dict or its
@@ -69,6 +74,66 @@ def hparams_row(optimizer_class, group: Dict[str, Any]) -> List[float]:
             float(bool(group.get("maximize", False)))]
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def has_master(key: Tensor) -> bool:
+    """Whether a key gets a float32 master under ``master_weights=True``."""
+    return key.dtype in LOW_PRECISION
+
+
+def ensure_master_state(st: Dict[str, Any], key: Tensor) -> None:
+    """Make a bf16/fp16 key's existing state a master-weights state: a float32 ``"master"``
+    of the key's shape (taken from the param when missing or mis-shaped) and float32
+    per-element moments (a state dict of torch's AdamW holds them in the param's dtype)."""
+    w = st.get("master")
+    if not (isinstance(w, Tensor) and w.dtype == torch.float32 and w.shape == key.shape
+            and w.device == key.device):
+        st["master"] = (key.detach().to(torch.float32, copy=True) if w is None
+                        or not isinstance(w, Tensor) or w.numel() != key.numel()
+                        else w.detach().to(key.device, torch.float32).reshape(key.shape))
+    for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        t = st.get(name)
+        if isinstance(t, Tensor) and t.dtype != torch.float32 and t.numel() == key.numel():
+            st[name] = t.to(torch.float32)
+
+
+def memory_of(key: Tensor) -> tuple:
+    """Which elements a key is: two keys with equal values are the same memory (params
+    tied with ``b.data = a.data``)."""
+    return (key.untyped_storage().data_ptr(), key.storage_offset(), tuple(key.shape),
+            key.stride(), key.dtype, key.device)
+
+
+def _share_masters(keys: Dict[int, Tensor], stepping: Dict[int, dict]) -> None:
+    """Keys over one memory share one master, as they share the param: each is stepped
+    in turn on the same float32 values (a master per key would see the other's update
+    as a write from outside and drop its own sub-ulp precision)."""
+    first: Dict[tuple, Tensor] = {}
+    for kid, st in stepping.items():
+        w = st.get("master")
+        if w is not None:
+            w0 = first.setdefault(memory_of(keys[kid]), w)
+            if w0 is not w:
+                st["master"] = w0
+
+
+def _alias_free_runs(segs: List[Segment]) -> List[List[Segment]]:
+    """`segs` cut, in order, into runs in which no two segments touch the same memory:
+    one kernel call updates its segments in parallel, while torch steps params over one
+    memory one after the other."""
+    runs: List[List[Segment]] = [[]]
+    seen: set = set()
+    for s in segs:
+        m = memory_of(s.key)
+        if m in seen:
+            runs.append([])
+            seen = set()
+        seen.add(m)
+        runs[-1].append(s)
+    return runs
+
+
 def whole_params_layout(param_groups: Sequence[Dict[str, Any]]) -> StepLayout:
     """Every param of every group as one segment of one chunk (a plain optimizer)."""
     params = [p for g in param_groups for p in g["params"]]
@@ -96,7 +161,7 @@ class _Call:
     real views of complex params, taken at each step: `p.data = t` must not go stale)."""
 
     __slots__ = ("device", "params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
-                 "segment_groups", "grads", "pack", "step_index", "complex_params")
+                 "segment_groups", "grads", "pack", "step_index", "complex_params", "masters")
 
 
 class _Plan:
@@ -123,8 +188,9 @@ class AdamWEngine:
     (FusedAdamW's own, or the local optimizer of the ZeRO optimizer). ``hparams_row`` maps a
     group to the kernel's 7 columns for ``optimizer_class``."""
 
-    def __init__(self, optimizer_class=None):
+    def __init__(self, optimizer_class=None, master_weights: bool = False):
         self.optimizer_class = optimizer_class or torch.optim.AdamW
+        self.master_weights = bool(master_weights)
         self._plan: Optional[_Plan] = None
 
     def invalidate(self) -> None:
@@ -172,7 +238,8 @@ class AdamWEngine:
                 fi = None if found_inf is None else found_inf.to(call.device,
                                                                   non_blocking=True)
                 fused_adamw_(call.params, g_list, call.exp_avgs, call.exp_avg_sqs,
-                             call.max_exp_avg_sqs, steps, call.segment_groups, table, gs, fi)
+                             call.max_exp_avg_sqs, steps, call.segment_groups, table, gs, fi,
+                             call.masters)
             if after_chunk is not None:
                 after_chunk(k)
         if found_inf is not None:  # a skipped step does not count
@@ -202,18 +269,22 @@ class AdamWEngine:
                 if grads[s.source].is_sparse:
                     raise RuntimeError("AdamW's fused step does not support sparse gradients")
                 stepping[id(s.key)] = self._init_state(state, s.key, ams[s.group],
-                                                       on_device[s.group])
+                                                       on_device[s.group],
+                                                       self.master_weights)
+        keys = {id(seg.key): seg.key for chunk in layout.chunks for seg in chunk}
+        if self.master_weights:
+            _share_masters(keys, stepping)
         # 2. steps: every state's "step" a view into one buffer per device.
         packs = self._pack_steps(state)
-        # 3. one call per (chunk, device).
+        # 3. one call per (chunk, device); keys over one memory in separate calls, in order.
         chunks = []
         for chunk in layout.chunks:
             by_dev: Dict[torch.device, list] = {}
             for s in chunk:
                 if id(s.key) in stepping:
                     by_dev.setdefault(s.key.device, []).append(s)
-            chunks.append([self._call(dev, segs, stepping, ams, packs, layout.sources)
-                           for dev, segs in by_dev.items()])
+            chunks.append([self._call(dev, run, stepping, ams, packs, layout.sources)
+                           for dev, segs in by_dev.items() for run in _alias_free_runs(segs)])
         # 4. increments: which elements of each pack step this time.
         step_ids = {id(st["step"]) for st in stepping.values()}
         increments = []
@@ -226,23 +297,31 @@ class AdamWEngine:
         plan.none, plan.chunks, plan.increments = none, chunks, increments
         plan.refs = (state, [g["params"] for g in param_groups])
         # the state entries the lists view: a replaced entry or step means a rebuild
-        keys = {id(seg.key): seg.key for chunk in layout.chunks for seg in chunk}
         plan.states = [(keys[kid], st, st["step"]) for kid, st in stepping.items()]
         plan.layout, plan.auto = layout, False
         plan.key = self._key(param_groups, state)  # after the lazy init grew the state
         return plan
 
     @staticmethod
-    def _init_state(state, key: Tensor, amsgrad: bool, on_device: bool) -> dict:
-        """torch.optim.AdamW's per-param state, created at the param's first grad."""
+    def _init_state(state, key: Tensor, amsgrad: bool, on_device: bool,
+                    master_weights: bool = False) -> dict:
+        """torch.optim.AdamW's per-param state, created at the param's first grad; with
+        master weights, float32 moments and a float32 master for a bf16/fp16 key."""
         st = state[key]
+        master = master_weights and has_master(key)
+        dtype = torch.float32 if master else key.dtype
         if len(st) == 0:
             st["step"] = torch.zeros((), dtype=torch.float32,
                                      device=key.device if on_device else "cpu")
-            st["exp_avg"] = torch.zeros_like(key, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(key, memory_format=torch.preserve_format)
+            st["exp_avg"] = torch.zeros_like(key, dtype=dtype,
+                                             memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(key, dtype=dtype,
+                                                memory_format=torch.preserve_format)
         if amsgrad and "max_exp_avg_sq" not in st:
-            st["max_exp_avg_sq"] = torch.zeros_like(key, memory_format=torch.preserve_format)
+            st["max_exp_avg_sq"] = torch.zeros_like(key, dtype=dtype,
+                                                    memory_format=torch.preserve_format)
+        if master:
+            ensure_master_state(st, key)
         return st
 
     def _call(self, dev, segs: List[Segment], stepping, ams, packs, sources) -> _Call:
@@ -251,6 +330,7 @@ class AdamWEngine:
         use_max = any(ams[s.group] for s in segs)
         c.params, c.exp_avgs, c.exp_avg_sqs, c.max_exp_avg_sqs, c.grads = [], [], [], [], []
         c.complex_params = []
+        masters = []
         for s in segs:
             st = stepping[id(s.key)]
             real = s.key.is_complex()
@@ -260,6 +340,8 @@ class AdamWEngine:
             c.params.append(view(s.key))
             c.exp_avgs.append(view(st["exp_avg"]))
             c.exp_avg_sqs.append(view(st["exp_avg_sq"]))
+            w = st.get("master") if self.master_weights and has_master(s.key) else None
+            masters.append(None if w is None else view(w))
             if use_max:
                 x = st.get("max_exp_avg_sq") if ams[s.group] else None
                 c.max_exp_avg_sqs.append(view(x) if x is not None else torch.empty(
@@ -268,6 +350,9 @@ class AdamWEngine:
             whole = (s.grad_offset == 0 and s.offset == 0 and s.length == s.key.numel()
                      and not real and sources[s.source].shape == s.key.shape)
             c.grads.append((s.source, s.grad_offset, s.length, real, whole))
+        c.masters = [] if all(w is None for w in masters) else [
+            torch.empty(0, dtype=torch.float32, device=dev) if w is None else w
+            for w in masters]
         c.segment_groups = torch.tensor([s.group for s in segs], dtype=torch.int64)
         # steps of this call: one pack, in order (no copy), or an index into one pack.
         locs = [self._locate(packs, stepping[id(s.key)]["step"]) for s in segs]

@@ -15,7 +15,8 @@ from typing import Any, Dict, Optional
 import torch
 from torch import Tensor
 
-from .engine import AdamWEngine, hparams_row  # noqa: F401 (public here too)
+from . import grad_norm
+from .engine import AdamWEngine, has_master, hparams_row  # noqa: F401 (public here too)
 
 __all__ = ["FusedAdamW", "fused_path_supported", "hparams_row"]
 
@@ -109,6 +110,15 @@ class FusedAdamW(torch.optim.Optimizer):
     scheduler) is read as a float each step. Works with ``torch.amp.GradScaler``: grads are
     unscaled inside the kernel and an inf/NaN step is skipped (the grads themselves are left
     scaled, unlike ``torch.optim.AdamW(fused=True)``).
+
+    ``master_weights=True`` (mixed precision): every bfloat16/float16 param is stepped
+    through a float32 master copy with float32 moments (state entries ``"master"``,
+    ``"exp_avg"``, ``"exp_avg_sq"`` in float32); the param receives the master rounded to
+    nearest even. The param stays the source of truth: elements changed from outside since
+    the last step (weights loaded) reset their master. float32 params are unaffected.
+
+    :meth:`clip_grad_norm_` computes the global grad norm like
+    ``torch.nn.utils.clip_grad_norm_`` and applies the clip inside the next step.
     """
 
     _step_supports_amp_scaling = True
@@ -127,8 +137,11 @@ class FusedAdamW(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: Optional[bool] = None,
+        master_weights: bool = False,
     ) -> None:
         _validate_hparams(lr, betas, eps, weight_decay)
+        if not isinstance(master_weights, bool):
+            raise TypeError(f"master_weights must be a bool, got {master_weights!r}")
         if capturable:
             raise ValueError("FusedAdamW does not support capturable=True (CUDA graph capture); "
                              "use torch.optim.AdamW(capturable=True)")
@@ -144,7 +157,9 @@ class FusedAdamW(torch.optim.Optimizer):
         }
         if _TORCH_HAS_DECOUPLED_KEY:
             defaults["decoupled_weight_decay"] = True
-        self._engine = AdamWEngine(FusedAdamW)
+        self.master_weights = master_weights
+        self._engine = AdamWEngine(FusedAdamW, master_weights)
+        self._clip: Optional[grad_norm.PendingClip] = None  # from clip_grad_norm_
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -166,8 +181,10 @@ class FusedAdamW(torch.optim.Optimizer):
                 group.setdefault(k, v)
             if _TORCH_HAS_DECOUPLED_KEY:
                 group.setdefault("decoupled_weight_decay", True)
+        self.__dict__.setdefault("master_weights", False)
+        self.__dict__.setdefault("_clip", None)
         if not hasattr(self, "_engine"):
-            self._engine = AdamWEngine(FusedAdamW)
+            self._engine = AdamWEngine(FusedAdamW, self.master_weights)
         self._engine.invalidate()
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -177,7 +194,47 @@ class FusedAdamW(torch.optim.Optimizer):
             group["differentiable"] = False
             if "decoupled_weight_decay" in group:
                 group["decoupled_weight_decay"] = True
+        self._keep_float32_state(state_dict)
         self._engine.invalidate()
+
+    def _keep_float32_state(self, state_dict: Dict[str, Any]) -> None:
+        """torch's load casts every floating state tensor to its param's dtype; a
+        master-weights state keeps the saved float32 values (master and moments), and an
+        optimizer without master weights drops saved masters (they would go stale)."""
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for sid, p in zip(saved_ids, params):
+            st = self.state.get(p)
+            if not st:
+                continue
+            if not (self.master_weights and has_master(p)):
+                st.pop("master", None)
+                continue
+            for name, v in state_dict["state"].get(sid, {}).items():
+                if (name != "step" and isinstance(v, Tensor) and v.is_floating_point()
+                        and v.numel() == p.numel()):
+                    st[name] = v.detach().to(p.device, torch.float32, copy=True).view(p.shape)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._clip = None  # a clip computed from the old grads does not apply to new ones
+        super().zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over this optimizer's params: returns the
+        total norm of their grads (float32); the clip is applied inside the next
+        :meth:`step` (the ``.grad`` tensors are not modified)."""
+        max_norm, norm_type = grad_norm.validate(max_norm, norm_type)
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm, _, _ = grad_norm.total_norm(grad_norm.local_terms(grads, norm_type),
+                                          norm_type, None, 1, 0)
+        pending = self._clip if self._clip is not None and self._clip.same_grads(grads) \
+            else None  # a clip of these same grads, not applied yet: clipping twice
+        self._clip, norm = grad_norm.clip(norm, max_norm, norm_type, error_if_nonfinite,
+                                          pending, grads)
+        device = grads[0].device if grads else torch.device("cpu")
+        return torch.tensor(norm, dtype=torch.float32, device=device)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -186,7 +243,13 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._engine.step(self.param_groups, self.state,
-                          grad_scale=getattr(self, "grad_scale", None),
+        grad_scale = getattr(self, "grad_scale", None)
+        pending, self._clip = self._clip, None
+        clip = None if pending is None else pending.factor
+        if clip is not None:  # the kernel divides by grad_scale
+            grad_scale = (clip.reciprocal() if grad_scale is None
+                          else grad_scale.reshape(()).float() / clip.to(grad_scale.device))
+            grad_scale = grad_scale.reshape(1)
+        self._engine.step(self.param_groups, self.state, grad_scale=grad_scale,
                           found_inf=getattr(self, "found_inf", None))
         return loss

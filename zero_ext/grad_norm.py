@@ -1,0 +1,103 @@
+"""Global grad-norm clipping without a pass over every grad on every rank.
+
+``torch.nn.utils.clip_grad_norm_`` reads every grad to compute the norm and then scales
+every grad: two passes over all grads, on every rank. Here each rank computes the norm
+terms of the grad elements it owns (1/world of them), one small all-reduce gives every
+rank the same total, and the clip coefficient is not applied to the grads at all: it is
+kept as a pending factor that the next step multiplies into the grads it reads (inside
+the fused kernel, or on the temporary grads of the generic path). The grads themselves
+keep their values.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .sync import backend_device
+
+
+def local_terms(pieces: Sequence[Tensor], norm_type: float) -> float:
+    """Sum of |x|^p over the elements of `pieces` (max |x| for p = inf), in float64."""
+    if not pieces:
+        return 0.0
+    norms = torch._foreach_norm(list(pieces), norm_type, dtype=torch.float32)
+    by_dev = {}
+    for n in norms:
+        by_dev.setdefault(n.device, []).append(n)
+    parts = [torch.stack(v).to("cpu", torch.float64) for v in by_dev.values()]
+    vals = torch.cat(parts)
+    if math.isinf(norm_type):
+        return float(vals.max()) if not torch.isnan(vals).any() else float("nan")
+    return float(vals.pow(norm_type).sum())
+
+
+def total_norm(term: float, norm_type: float, group, world_size: int, rank: int,
+               failed: bool = False, stale: bool = False) -> tuple[float, bool, bool]:
+    """Combine every rank's `local_terms`: one all-reduce of a [world + 2] vector (each
+    rank its own slot, so a NaN on any rank is NaN everywhere for every norm type; then the
+    number of ranks that `failed` to compute theirs, and of ranks whose pending clip is
+    `stale`). Returns (norm, some rank failed, some rank's pending clip is stale)."""
+    if world_size > 1 and (group is not None or dist.is_initialized()):
+        vec = torch.zeros(world_size + 2, dtype=torch.float64, device=backend_device(group))
+        vec[rank] = 0.0 if failed else term
+        vec[world_size] = float(failed)
+        vec[world_size + 1] = float(stale)
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
+        vals = vec.tolist()
+        terms, failed, stale = vals[:world_size], vals[world_size] > 0, vals[-1] > 0
+    else:
+        terms = [term]
+    if any(math.isnan(t) for t in terms):
+        return float("nan"), failed, stale
+    if math.isinf(norm_type):
+        return max(terms), failed, stale
+    s = sum(terms)
+    return (s ** (1.0 / norm_type) if s > 0 else 0.0), failed, stale
+
+
+def validate(max_norm, norm_type) -> tuple[float, float]:
+    try:
+        max_norm, norm_type = float(max_norm), float(norm_type)
+    except (TypeError, ValueError):
+        raise TypeError("clip_grad_norm_: max_norm and norm_type must be numbers, got "
+                        f"{max_norm!r} and {norm_type!r}") from None
+    if norm_type <= 0 and not math.isinf(norm_type) or math.isnan(norm_type):
+        raise ValueError(f"clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")
+    return max_norm, norm_type
+
+
+class PendingClip:
+    """A clip factor waiting for the next step, and the grads it was computed from (weak
+    references and version counters: a grad replaced or written since, by a backward or a
+    zero_grad, means the factor belongs to grads that are gone)."""
+
+    def __init__(self, factor: Tensor, grads: Sequence[Tensor]):
+        self.factor = factor
+        self._grads = [(weakref.ref(g), g._version) for g in grads]
+
+    def same_grads(self, grads: Sequence[Tensor]) -> bool:
+        return len(grads) == len(self._grads) and all(
+            r() is g and v == g._version for (r, v), g in zip(self._grads, grads))
+
+
+def clip(norm: float, max_norm: float, norm_type: float, error_if_nonfinite: bool,
+         pending: Optional[PendingClip], grads: Sequence[Tensor]) -> tuple[PendingClip, float]:
+    """The new pending clip: torch's clamp(max_norm / (norm + 1e-6), max=1), times the
+    factor of `pending` (a clip of these same grads, not applied yet: clipping twice; the
+    caller passes None when it no longer applies); raises like torch when asked to and the
+    norm is not finite. `norm` is of the grads as they are in memory; the returned norm is
+    of the grads as the step will see them."""
+    if pending is not None:
+        norm *= float(pending.factor)
+    if error_if_nonfinite and not math.isfinite(norm):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    coef = torch.tensor(max_norm / (norm + 1e-6), dtype=torch.float32).clamp(max=1.0)
+    return PendingClip(coef if pending is None else coef * pending.factor, grads), norm

@@ -34,17 +34,19 @@ def share_layout(plan: layout.ShardPlan) -> StepLayout:
 class FusedShardStep:
     """Steps this rank's share with the fused kernel, chunk by chunk."""
 
-    def __init__(self, plan: layout.ShardPlan, optim: torch.optim.Optimizer):
+    def __init__(self, plan: layout.ShardPlan, optim: torch.optim.Optimizer,
+                 master_weights: bool = False):
         self.optim = optim
         self.layout = share_layout(plan)
-        self.engine = AdamWEngine(type(optim))
+        self.engine = AdamWEngine(type(optim), master_weights)
 
     def reset(self) -> None:
         """Forget cached views of the state (after it was replaced, e.g. by a load)."""
         self.engine.invalidate()
 
-    def run(self, after_chunk=None) -> None:
+    def run(self, after_chunk=None, grad_scale=None) -> None:
         """One step; `after_chunk(k)` is called once chunk k's params are final. Local
-        params without a grad are skipped and their step is not advanced, as in torch."""
+        params without a grad are skipped and their step is not advanced, as in torch.
+        Grads are divided by `grad_scale` (a one-element float32 tensor) when given."""
         self.engine.step(self.optim.param_groups, self.optim.state, self.layout,
-                         after_chunk=after_chunk)
+                         grad_scale=grad_scale, after_chunk=after_chunk)

@@ -27,7 +27,9 @@ import torch
 
 from . import layout
 from .agree import agree
+from .engine import has_master
 from .fused_adamw import FusedAdamW
+from .precision import MASTER
 from .groups import copy_hyperparameters, hyperparameters
 from .sync import gather_objects, recv_segments, send_segments
 
@@ -245,11 +247,32 @@ def install(opt: "ZeroRedundancyOptimizer", saved_groups: list[dict],
         local_groups.append({**hyperparameters(g), "params": list(range(idx, idx + n))})
         idx += n
     opt.optim.load_state_dict({"state": local_states, "param_groups": local_groups})
+    _keep_master_state(opt, local_states)
     if class_policy:  # e.g. AdamW sets decoupled_weight_decay=True on load
         copy_hyperparameters(opt.optim.param_groups, opt.param_groups)
     stepper = getattr(opt, "_stepper", None)
     if stepper is not None and hasattr(stepper, "reset"):
         stepper.reset()
+
+
+def _keep_master_state(opt: "ZeroRedundancyOptimizer", local_states: dict[int, dict]) -> None:
+    """torch's load casts every floating state tensor to its param's dtype. With master
+    weights a bf16/fp16 key keeps the loaded float32 values (master and moments; a state
+    without a master gets one from the param at the next step); without master weights a
+    loaded master is dropped (nothing would keep it current)."""
+    keys = [lp.key for gi in range(len(opt.param_groups)) for lp in opt.plan.local_pieces(gi)]
+    for idx, saved in local_states.items():
+        key = keys[idx]
+        st = opt.optim.state.get(key)
+        if not st:
+            continue
+        if not (opt.master_weights and has_master(key)):
+            st.pop(MASTER, None)
+            continue
+        for name, v in saved.items():
+            if (name != "step" and isinstance(v, torch.Tensor) and v.is_floating_point()
+                    and v.dim() > 0 and v.numel() == key.numel()):
+                st[name] = v.detach().to(key.device, torch.float32).view(key.shape)
 
 
 _ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
@@ -299,7 +322,7 @@ def state_problems(opt: "ZeroRedundancyOptimizer", pid: int, names, numels: dict
             out.append(f"param {pid} (group {gi}) has state {sorted(names)} but "
                        f"{cls.__name__} needs {missing} (saved by another optimizer class, "
                        "or with other settings such as amsgrad?)")
-    for k in _per_element_keys(cls):
+    for k in _per_element_keys(cls) + (MASTER,):
         n = numels.get(k)
         if n is not None and n != p.numel():
             out.append(f"param {pid} (group {gi}): state {k!r} has {n} elements, the param "

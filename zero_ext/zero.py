@@ -19,11 +19,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from . import grad_norm
 from . import groups as groups_mod
 from . import kernels, layout, state
 from .agree import agree, agree_on_inputs
 from .fused_adamw import FusedAdamW, fused_path_supported
 from .local_step import FusedShardStep
+from .precision import generic_precision, scale_factor
 from .replicas import Replicas
 from .sync import Exchanger
 
@@ -65,7 +67,17 @@ class _ZeroJoinHook(JoinHook):
         self.zero = zero
 
     def main_hook(self) -> None:
-        self.zero.step()
+        zero = self.zero
+        if not zero._scaler_seen:
+            zero.step()
+            return
+        # The ranks still training step under a GradScaler, whose inf flag joins the step's
+        # first agreement: take part in it with "no inf" (the others' flag decides).
+        zero.found_inf = torch.zeros(1)
+        try:
+            zero.step()
+        finally:
+            del zero.found_inf
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -75,11 +87,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     plus: param-group dicts validated on every rank (with a cross-rank check), mixed dtypes,
     a better-balanced partition, element-level sharding (``sharding="flat"``), a fused
     multi-group AdamW step, and consolidation that sends state only to the target rank.
+
+    ``master_weights=True``: every bfloat16/float16 param is stepped, by the rank that owns
+    each element, through a float32 master copy with float32 optimizer state; the params
+    receive the rounded master and the exchange moves param-dtype bytes. The masters are
+    the state entry ``"master"`` in state dicts and checkpoints.
+
+    :meth:`clip_grad_norm_` clips by the global grad norm from the owned elements only and
+    applies the clip inside the next step; ``torch.amp.GradScaler`` is supported
+    (``_step_supports_amp_scaling``): an inf on any rank skips the step on every rank.
     """
+
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, optimizer_class: type, process_group: Any = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
-                 *, sharding: str = "auto", **defaults: Any):
+                 *, sharding: str = "auto", master_weights: bool = False, **defaults: Any):
         self._initialized = False
         if overlap_with_ddp:
             raise NotImplementedError(
@@ -100,6 +123,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                 f"{optimizer_class!r}")
             if sharding not in SHARDING_MODES:
                 raise ValueError(f"sharding must be one of {SHARDING_MODES}, got {sharding!r}")
+            if not isinstance(master_weights, bool):
+                raise TypeError(f"master_weights must be a bool, got {master_weights!r}")
             if sharding == "flat" and not is_elementwise(optimizer_class):
                 raise ValueError(
                     f"sharding='flat' splits parameters between ranks, which is exact only for "
@@ -124,6 +149,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "non-contiguous params": [i for i, p in enumerate(flat_params)
                                           if not p.is_contiguous()],
                 "parameters_as_bucket_view": bool(parameters_as_bucket_view),
+                "master_weights": master_weights,
                 "defaults": sorted(defaults.items())})
         except Exception as exc:  # noqa: BLE001 - re-raised after the other ranks know
             error = exc
@@ -132,6 +158,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         self.optimizer_class = optimizer_class
         self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
+        self.master_weights = master_weights
+        self._clip: grad_norm.PendingClip | None = None  # from clip_grad_norm_, for step
+        self._scaler_seen = False  # a GradScaler drove a step (the join hook mimics it)
         self._overlap_with_ddp = False
         super().__init__(groups, defaults)  # fills defaults into the groups
         Joinable.__init__(self)
@@ -148,7 +177,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.plan = self._new_plan(self._resolve_sharding(sharding))
         self.sharding = self.plan.sharding
         self._trainable = self._trainable_mask()  # what the bucket views were built for
-        self.optim = optimizer_class(self._local_groups(), **defaults)
+        local_kwargs = dict(defaults)
+        if master_weights and issubclass(optimizer_class, FusedAdamW):
+            local_kwargs["master_weights"] = True  # its own engine steps the masters
+        self.optim = optimizer_class(self._local_groups(), **local_kwargs)
         self._adopt_optimizer_defaults()
         self._initialized = True
 
@@ -227,7 +259,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _fused_step(self) -> FusedShardStep:
         if self._stepper is None:
-            self._stepper = FusedShardStep(self.plan, self.optim)
+            self._stepper = FusedShardStep(self.plan, self.optim, self.master_weights)
         return self._stepper
 
     def _chunks_per_step(self, plan: layout.ShardPlan) -> int:
@@ -313,20 +345,36 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         raises on every rank before the exchange, so no rank is left waiting.
         """
         Join.notify_join_context(self)
+        # Set around step() by torch.amp.GradScaler (_step_supports_amp_scaling): grads not
+        # unscaled yet are divided by grad_scale; found_inf nonzero means skip the step.
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        self._scaler_seen = self._scaler_seen or found_inf is not None
+        pending, self._clip = self._clip, None
+        clip = None if pending is None else pending.factor
         mask = self._trainable_mask()
         mask_hash = hash(tuple(mask)) & ((1 << 62) - 1)
-        if self._replicas.overlapped or self._replicas.frozen_outside_buckets:
+        inf = int(found_inf is not None and bool(found_inf.ne(0).any()))
+        if (self._replicas.overlapped or self._replicas.frozen_outside_buckets
+                or found_inf is not None):
             # Bucket views laid out by the trainable params (and, when overlapped, sent from
-            # inside the local step): agree on those before anything is rebuilt or sent.
-            self._check_same_mask(*agree(self.process_group, self.world_size, None,
-                                         "ZeroRedundancyOptimizer.step",
-                                         (mask_hash, -mask_hash)))
+            # inside the local step), and GradScaler's verdict: agree on those before
+            # anything is rebuilt, stepped or sent.
+            top, bottom, inf = agree(self.process_group, self.world_size, None,
+                                     "ZeroRedundancyOptimizer.step",
+                                     (mask_hash, -mask_hash, inf))
+            self._check_same_mask(top, bottom)
         if mask != self._trainable:
             self._trainable = mask
             if self._replicas.frozen_outside_buckets:
                 logger.info("zero_ext: the trainable parameters changed; rebuilding buckets")
                 self.plan.rebuild_buckets()
                 self._layout_changed(fresh_buffers=True)
+        if inf:  # an inf/NaN grad on some rank: no rank steps (GradScaler backs off)
+            if closure is not None:
+                with torch.enable_grad():
+                    return closure()
+            return None
         error, loss = None, None
         t0 = time.perf_counter()
         # Decided from what every rank shares (all params, the groups, kwargs), so every
@@ -347,9 +395,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     if closure is not None:
                         with torch.enable_grad():
                             loss = closure()
-                    self._fused_step().run(after_chunk=sends.send if sends else None)
+                    divisor = grad_scale
+                    if clip is not None:  # the kernel divides the grads by grad_scale
+                        divisor = (clip.reciprocal() if grad_scale is None else
+                                   grad_scale.reshape(()).float() / clip.to(grad_scale.device))
+                    self._fused_step().run(after_chunk=sends.send if sends else None,
+                                           grad_scale=None if divisor is None
+                                           else divisor.reshape(1))
                 else:
-                    loss = self._generic_step(closure, **kwargs)
+                    loss = self._generic_step(closure, scale_factor(grad_scale, clip),
+                                              **kwargs)
             except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
                 error = exc
         if sends is not None:
@@ -386,21 +441,26 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "ZeroRedundancyOptimizer.step: ranks disagree on which params require grad; "
                 "freeze and unfreeze params alike on every rank")
 
-    def _generic_step(self, closure, **kwargs):
+    def _generic_step(self, closure, factor, **kwargs):
+        """optimizer_class's own step on the local share; `factor` multiplies the grads it
+        reads (GradScaler, clipping), and master weights are swapped in around it."""
         if self._stepper is not None:
             self._stepper.reset()  # this step may create or replace state tensors
-        if self.sharding == layout.PARAM:
-            return self.optim.step(closure, **kwargs) if closure is not None \
-                else self.optim.step(**kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._attach_shard_grads()
+        flat = self.sharding == layout.FLAT
+        if flat:
+            self._attach_shard_grads()
+        masters = self.master_weights and not issubclass(self.optimizer_class, FusedAdamW)
         try:
-            self.optim.step(**kwargs)
+            with generic_precision([lp.key for lp in self.plan.local], self.optim.state,
+                                   masters, factor):
+                self.optim.step(**kwargs)
         finally:
-            self._detach_shard_grads()
+            if flat:
+                self._detach_shard_grads()
         return loss
 
     def _attach_shard_grads(self) -> None:
@@ -415,6 +475,53 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Drop the views again so the user's zero_grad(set_to_none) frees the grads."""
         for lp in self.plan.local:
             lp.key.grad = None
+
+    # ------------------------------------------------------------------ clipping
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._clip = None  # a clip computed from the old grads does not apply to new ones
+        super().zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Collective ``torch.nn.utils.clip_grad_norm_`` over all params of the optimizer.
+
+        Returns the total norm of their grads (float32, the same value on every rank, also
+        inf or NaN), computed from the grad elements this rank owns plus one all-reduce of
+        one number per rank. The clip is applied inside the next :meth:`step` (the
+        ``.grad`` tensors keep their values); :meth:`zero_grad` drops it.
+        """
+        max_norm, norm_type = grad_norm.validate(max_norm, norm_type)
+        error, term, grads = None, 0.0, []
+        try:
+            pieces, grads = [], []
+            for lp in self.plan.local:
+                g = self._all_params[lp.param_id].grad
+                if g is None:
+                    continue
+                grads.append(g)
+                if g.is_sparse:
+                    raise RuntimeError("clip_grad_norm_ does not support sparse gradients")
+                pieces.append(g if lp.start == 0 and lp.length == g.numel()
+                              else g.reshape(-1)[lp.start:lp.start + lp.length])
+            term = grad_norm.local_terms(pieces, norm_type)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error, term = exc, float("nan")
+        # A clip still pending for these same grads counts (clipping twice, as in torch);
+        # whether it does is decided with the norm, so that every rank decides alike.
+        stale = self._clip is not None and not self._clip.same_grads(grads)
+        norm, failed, stale = grad_norm.total_norm(term, norm_type, self.process_group,
+                                                   self.world_size, self.rank,
+                                                   error is not None, stale)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError("clip_grad_norm_: another rank failed to compute its part of "
+                               "the norm; every rank stops here")
+        self._clip, norm = grad_norm.clip(norm, max_norm, norm_type, error_if_nonfinite,
+                                          None if stale else self._clip, grads)
+        return torch.tensor(norm, dtype=torch.float32, device=self.join_device)
 
     # ------------------------------------------------------------------ join
 

@@ -1,0 +1,114 @@
+"""Mixed precision around a local optimizer that is not the fused AdamW engine.
+
+The fused engine does all of this inside its kernel (engine.py). Any other
+``optimizer_class`` (SGD, Adam with L2 decay, a custom subclass) steps plain tensors, so
+`generic_precision` hands it, for the duration of one ``step()``:
+
+- for each bfloat16/float16 key (with ``master_weights``): its float32 master in place of
+  its data, and a float32 copy of its grad, so the optimizer steps the master and creates
+  float32 state; afterwards the key gets its data back and receives the master rounded to
+  nearest even;
+- a grad multiplied by ``factor`` (GradScaler's unscale and a pending clip factor), as a
+  temporary, so the user's ``.grad`` is never modified.
+
+The master is kept as ``state[key]["master"]``, the same entry the fused engine uses, so
+state dicts do not depend on the path. The param stays the source of truth: an element
+whose bits differ from its master's rounding takes its master from the param first.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .engine import memory_of, has_master
+
+MASTER = "master"
+
+
+def resync_master(master: Tensor, key: Tensor) -> None:
+    """Elements of `key` that no longer hold `master`'s rounding were written by someone
+    else (weights loaded, surgery): their master takes the param's value."""
+    stale = master.to(key.dtype).view(torch.int16) != key.view(torch.int16)
+    master.copy_(torch.where(stale, key.to(torch.float32), master))
+
+
+def upcast_state(st: dict, key: Tensor) -> None:
+    """Per-element floating state of a master-weights key lives in float32 (a state dict
+    from a bf16 run of torch's optimizer holds it in the param's dtype)."""
+    for name, v in list(st.items()):
+        if (name != MASTER and isinstance(v, Tensor) and v.is_floating_point()
+                and v.dim() > 0 and v.numel() == key.numel() and v.dtype != torch.float32):
+            st[name] = v.to(torch.float32)
+
+
+@contextmanager
+def generic_precision(keys: Sequence[Tensor], state: dict, master_weights: bool,
+                      factor: Optional[Tensor]) -> Iterator[None]:
+    """See the module docstring. `keys` are the local optimizer's params (their ``.grad``
+    set); `state` its state. Nothing is swapped when there is nothing to do."""
+    swaps = []  # (key, data, grad, master or None)
+    shared: dict = {}  # keys over one memory (tied params) share one master
+    try:
+        with torch.no_grad():
+            for k in keys:
+                g = k.grad
+                if g is None:
+                    continue
+                use_master = master_weights and has_master(k)
+                if not use_master and factor is None:
+                    continue
+                master = None
+                if use_master:
+                    st = state.get(k)
+                    if st:
+                        upcast_state(st, k)
+                        master = st.get(MASTER)
+                    mem = memory_of(k)
+                    if mem in shared:
+                        master = shared[mem]
+                    elif master is None or master.shape != k.shape:
+                        master = k.detach().to(torch.float32, copy=True)
+                    else:
+                        resync_master(master, k)
+                    shared.setdefault(mem, master)
+                    g2 = g.to(torch.float32, copy=True)
+                else:
+                    g2 = g.clone()
+                if factor is not None:
+                    g2.mul_(factor.to(g2.device, g2.dtype))
+                data = k.data
+                swaps.append((k, data, g, master))
+                k.grad = None  # a grad must match the data's dtype when data is swapped
+                if master is not None:
+                    k.data = master
+                k.grad = g2
+        yield
+    finally:
+        with torch.no_grad():
+            for k, data, g, master in swaps:
+                k.grad = None
+                if master is not None:
+                    k.data = data
+                    data.copy_(master)  # rounds to nearest even
+                    # After the step: an optimizer that creates state at a key's first step
+                    # has done so (it saw an empty state); one that keeps none (SGD
+                    # without momentum) gets an entry holding only the master.
+                    state[k] = state.get(k) or {}
+                    state[k][MASTER] = master
+                k.grad = g
+
+
+def scale_factor(grad_scale: Optional[Tensor], clip: Optional[Tensor]) -> Optional[Tensor]:
+    """The multiplier of the grads for this step: 1/grad_scale (GradScaler, not unscaled
+    yet) times a pending clip coefficient; None when both are absent."""
+    if grad_scale is None and clip is None:
+        return None
+    f = torch.ones((), dtype=torch.float32)
+    if grad_scale is not None:
+        f = f.to(grad_scale.device) / grad_scale.reshape(()).to(torch.float32)
+    if clip is not None:
+        f = f * clip.to(f.device, torch.float32).reshape(())
+    return f

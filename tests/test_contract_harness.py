@@ -70,7 +70,11 @@ pytestmark = [
 N_EXAMPLES = int(os.environ.get("ZERO_EXT_HARNESS_EXAMPLES", "60"))
 SEED = os.environ.get("ZERO_EXT_HARNESS_SEED")
 TOL = {"f32": (1e-6, 1e-6), "c64": (1e-6, 1e-6), "bf16": (2e-2, 1.6e-2)}
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "c64": torch.complex64}
+# master_weights=True: the reference steps float32 copies fed the upcast grads; a bf16/fp16
+# param must be that reference rounded to its dtype: within one ulp of it.
+MASTER_TOL = {"bf16": (1e-6, 2.0 ** -7), "f16": (1e-6, 2.0 ** -10)}
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "c64": torch.complex64,
+          "f16": torch.float16}
 ADAM_FAMILY = ("adam", "adamw", "fused", "custom")
 
 
@@ -141,7 +145,8 @@ def spec_strategy(draw):
     world = draw(st.integers(1, 3))
     rnd = draw(st.randoms(use_true_random=False))
     cls = rnd.choice(["sgd", "adam", "adamw", "adamw", "fused", "custom"])
-    dmode = rnd.choice(["f32"] * 5 + ["bf16", "c64"])
+    dmode = rnd.choice(["f32"] * 5 + ["bf16", "c64", "bf16", "f16"])
+    masters = dmode == "f16" or (dmode == "bf16" and rnd.random() < 0.6)
     rebalance = world > 1 and rnd.randint(0, 7) == 0
     if rebalance:
         shapes = list(REBALANCE_SHAPES)
@@ -157,7 +162,7 @@ def spec_strategy(draw):
         n_later = rnd.randint(0, 1)
         gid = [rnd.randint(0, n_init + n_later - 1) for _ in range(n)]
         gid[0] = 0  # group 0 is never empty
-    bf16 = "bf16" in dtypes
+    bf16 = ("bf16" in dtypes or "f16" in dtypes) and not masters
     ids = sorted(set(gid))
     groups = [{"idx": [i for i, g in enumerate(gid) if g == k],
                "hyper": _hyper(rnd, cls, bf16)} for k in ids]
@@ -258,7 +263,8 @@ def spec_strategy(draw):
     return {"world": world, "cls": cls, "shapes": shapes, "dtypes": dtypes,
             "groups": init_groups, "later": later_groups, "defaults": defaults,
             "sharding": sharding, "bv": bv, "tie": tie, "ddp_init": ddp_init,
-            "sched": sched, "events": events, "seed": rnd.randint(0, 10_000)}
+            "sched": sched, "events": events, "seed": rnd.randint(0, 10_000),
+            "masters": masters}
 
 
 def draw_specs(n: int = N_EXAMPLES, seed=SEED) -> list:
@@ -309,6 +315,17 @@ def _make_params(spec, seed_offset=0):
     return out
 
 
+def _low(spec, i) -> bool:
+    """Param i is stepped through a float32 master (the reference holds float32)."""
+    return spec.get("masters", False) and spec["dtypes"][i] in MASTER_TOL
+
+
+def _as_reference(spec, ps):
+    """The reference's copy of params `ps`: float32 where ZeRO keeps a master."""
+    return [p.detach().float().requires_grad_(p.requires_grad) if _low(spec, i) else p
+            for i, p in enumerate(ps)]
+
+
 def _tie(ps, tie):
     if tie:
         i, j = tie
@@ -342,7 +359,7 @@ class _Run:
     # ---------------------------------------------------------------- setup
     def build(self):
         spec, ctx = self.spec, self.ctx
-        self.pr = _make_params(spec)
+        self.pr = _as_reference(spec, _make_params(spec))
         self.pz = _make_params(spec, seed_offset=1000 * ctx.rank if spec["ddp_init"] else 0)
         _tie(self.pr, spec["tie"])
         _tie(self.pz, spec["tie"])
@@ -350,7 +367,7 @@ class _Run:
         try:
             self.opt = make_zero(_group_dicts(self.pz, self.groups), self.zcls, ctx.pg,
                                  sharding=spec["sharding"], parameters_as_bucket_view=spec["bv"],
-                                 **spec["defaults"])
+                                 **self._master_kw(), **spec["defaults"])
         except (ValueError, TypeError) as exc:
             msg = str(exc).lower()
             cplx = "c64" in spec["dtypes"]
@@ -377,17 +394,29 @@ class _Run:
         self.check_groups("construction")
         self.check_balance("construction")
 
+    def _master_kw(self):
+        return {"master_weights": True} if self.spec.get("masters") else {}
+
+    def _fresh_grads(self, s, skipf=None):
+        """The same grads for both; with masters the reference gets them upcast."""
+        fresh_grads(self.pz, s, seed=self.spec["seed"], skip=skipf)
+        fresh_grads(self.pr, s, seed=self.spec["seed"], skip=skipf)
+        for i, (z, r) in enumerate(zip(self.pz, self.pr)):
+            if _low(self.spec, i) and z.requires_grad:
+                r.grad = None if z.grad is None else z.grad.float()
+
     # ---------------------------------------------------------------- checks
     def fail(self, what):
         raise AssertionError(f"rank {self.ctx.rank}, after events {self.log}: {what}")
 
     def check_params(self):
         for i, (z, r, d) in enumerate(zip(self.pz, self.pr, self.spec["dtypes"])):
-            atol, rtol = TOL[d]
-            if z.dtype != r.dtype or z.shape != r.shape:
+            low = _low(self.spec, i)
+            atol, rtol = MASTER_TOL[d] if low else TOL[d]
+            if z.dtype != DTYPES[d] or z.shape != r.shape:
                 self.fail(f"param {i}: {z.dtype}{tuple(z.shape)} vs reference "
                           f"{r.dtype}{tuple(r.shape)}")
-            if not torch.allclose(z.detach(), r.detach(), atol=atol, rtol=rtol):
+            if not torch.allclose(z.detach().to(r.dtype), r.detach(), atol=atol, rtol=rtol):
                 diff = (z.detach() - r.detach()).abs().max().item()
                 self.fail(f"param {i} ({d}) differs from the plain torch optimizer: max abs "
                           f"diff {diff:.3g} (atol {atol}, rtol {rtol})")
@@ -419,8 +448,7 @@ class _Run:
     def ev_step(self, skip, scale=None):
         s = self.steps
         skipf = (lambda i, _s: i in skip) if skip else None
-        fresh_grads(self.pz, s, seed=self.spec["seed"], skip=skipf)
-        fresh_grads(self.pr, s, seed=self.spec["seed"], skip=skipf)
+        self._fresh_grads(s, skipf)
         if scale is None:
             self.opt.step()
             self.ref.step()
@@ -436,8 +464,8 @@ class _Run:
 
     def ev_overwrite(self, how):
         new = _make_params(self.spec, seed_offset=50_000 + len(self.log))
-        for ps in (self.pz, self.pr):
-            for p, t in zip(ps, new):
+        for ps, vals in ((self.pz, new), (self.pr, _as_reference(self.spec, new))):
+            for p, t in zip(ps, vals):
                 if how == "copy":
                     p.data.copy_(t.detach())
                 elif how == "nograd_copy":
@@ -515,7 +543,7 @@ class _Run:
                       for zg, g in zip(self.opt.param_groups, self.groups)]
             self.opt = make_zero(groups, self.zcls, self.ctx.pg, sharding=self.spec["sharding"],
                                  parameters_as_bucket_view=self.spec["bv"],
-                                 **self.spec["defaults"])
+                                 **self._master_kw(), **self.spec["defaults"])
             if self.scheds:
                 self.scheds[0].optimizer = self.opt
         checkpoint.load(self.opt, path)
@@ -569,9 +597,7 @@ class _Run:
 
     def ev_rank_fail(self, how):
         ctx = self.ctx
-        s = self.steps
-        fresh_grads(self.pz, s, seed=self.spec["seed"])
-        fresh_grads(self.pr, s, seed=self.spec["seed"])
+        self._fresh_grads(self.steps)
         bad = ctx.rank == ctx.world_size - 1
         if bad and how == "local_step":
             def boom(*a, **k):
@@ -754,6 +780,19 @@ def targeted_specs() -> list:
             _spec(w, "adamw", [S, ("bad_load", {"kind": "shape"}), S, ("foreign_ckpt", {}), S,
                                ("bad_load", {"kind": "groups"}), S], sharding="flat"),
         ]
+        # issue 11: master weights (fused and generic paths), params written from outside,
+        # state dicts through torch's AdamW, checkpoints, freezing
+        out += [
+            _spec(w, "adamw", [S, ("overwrite", {"how": "copy"}), S, ("sd_roundtrip", {}), S,
+                               ("ckpt", {"fresh": True}), S], masters=True, sharding="flat",
+                  bv=True, dtypes=["bf16", "f32", "bf16", "bf16", "f32"]),
+            _spec(w, "sgd", [S, ("freeze", {"i": 0, "stale": True}), S,
+                             ("overwrite", {"how": "assign"}), S, ("unfreeze", {"i": 0}), S],
+                  masters=True, dtypes=["f16"] * 5, defaults={"lr": 0.05, "momentum": 0.9}),
+            _spec(w, "fused", [S, ("hyper", {"g": 0, "key": "weight_decay", "value": 0.0}), S,
+                               ("sd_roundtrip", {}), S], masters=True, dtypes=["bf16"] * 5,
+                  sharding="param", bv=True, defaults={"lr": 1e-2, "amsgrad": True}),
+        ]
         if w > 1:
             out += [
                 _spec(w, "sgd", [S, ("rank_fail", {"how": "local_step"}), S],
@@ -802,7 +841,7 @@ def test_contract(w, i, harness_tmp):
 
 def test_harness_draws_every_kind_of_event():
     """The event mix can produce every bug of issue 8 (a check of the generator)."""
-    specs = draw_specs(200, seed=None)
+    specs = draw_specs(400, seed=None)
     evs = {e[0] for s in specs for e in s["events"]}
     need = {"step", "kwstep", "overwrite", "freeze", "unfreeze", "zero_grad", "add_group", "lr",
             "hyper", "sched", "sd_roundtrip", "ckpt", "bad_load", "foreign_ckpt", "rank_fail"}
@@ -810,7 +849,8 @@ def test_harness_draws_every_kind_of_event():
     assert any(s["ddp_init"] for s in specs) and any(s["tie"] for s in specs)
     assert {s["cls"] for s in specs} == {"sgd", "adam", "adamw", "fused", "custom"}
     assert {s["sharding"] for s in specs} == {"param", "flat", "auto"}
-    assert {d for s in specs for d in s["dtypes"]} == {"f32", "bf16", "c64"}
+    assert {d for s in specs for d in s["dtypes"]} == {"f32", "bf16", "c64", "f16"}
+    assert any(s["masters"] for s in specs) and not all(s["masters"] for s in specs)
     assert {s["world"] for s in specs} == {1, 2, 3}
     assert {s["sched"] for s in specs} == {None, "steplr", "onecycle"}
     assert any(s["shapes"] == REBALANCE_SHAPES for s in specs)

@@ -59,7 +59,7 @@ def _decay_groups(model):
     return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _join_run(ctx, zero_kwargs):
+def _join_run(ctx, zero_kwargs, scaler=False):
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -68,13 +68,20 @@ def _join_run(ctx, zero_kwargs):
     ddp = DDP(model, process_group=ctx.pg)
     opt = make_zero(_decay_groups(model), AdamW, ctx.pg, lr=1e-2, **zero_kwargs)
     n_mine = N_REAL + ctx.rank
+    # GradScaler: a joined rank must still take part in the step's inf agreement
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4) if scaler else None
     with Join([ddp, opt]):
         for i in range(n_mine):
             x, y = _batch(ctx.rank, i)
             out = ddp(x)
             loss = _loss(out, y) if i < N_REAL else (out * 0).sum()
-            loss.backward()
-            opt.step()
+            if sc is None:
+                loss.backward()
+                opt.step()
+            else:
+                sc.scale(loss).backward()
+                sc.step(opt)
+                sc.update()
             opt.zero_grad(set_to_none=False)
 
     # the same run in one process: average the ranks' losses, then the zero-grad steps
@@ -107,11 +114,19 @@ def join_uneven_inputs_sharding_flat(ctx):
     return _join_run(ctx, {"sharding": "flat", "parameters_as_bucket_view": True})
 
 
+@SC.scenario()
+def join_uneven_inputs_grad_scaler(ctx):
+    if AGAINST_TORCH:
+        return None
+    return _join_run(ctx, {"sharding": "flat"}, scaler=True)
+
+
 @pytest.mark.parametrize("name", ["join_uneven_inputs", "join_uneven_inputs_bucket_view",
-                                  "join_uneven_inputs_sharding_flat"])
+                                  "join_uneven_inputs_sharding_flat",
+                                  "join_uneven_inputs_grad_scaler"])
 def test_join_uneven_inputs(world, name):
-    if AGAINST_TORCH and "sharding" in name:
-        pytest.skip("torch has no sharding argument")
+    if AGAINST_TORCH and ("sharding" in name or "scaler" in name):
+        pytest.skip("torch has no sharding argument (nor GradScaler support)")
     vals = world.values(name)
     for r, v in enumerate(vals):
         assert_params_close(v["zero"], v["ref"], JOIN_ATOL, JOIN_RTOL, what=f"rank {r} param")

@@ -454,7 +454,9 @@ void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
   check_scalar_tensor(grad_scale, "grad_scale");
   check_scalar_tensor(found_inf, "found_inf");
   if (S == 0) return;
-  if (found_inf.has_value() && found_inf->item<float>() != 0.0f) return;  // skipped step
+  // A skipped step (found_inf) still checks every segment below: bad inputs are reported
+  // whatever the step's verdict, as on CUDA.
+  const bool skip = found_inf.has_value() && found_inf->item<float>() != 0.0f;
   const double scale = grad_scale.has_value() ? double(grad_scale->item<float>()) : 1.0;
 
   const at::Tensor steps_c = steps.contiguous();
@@ -514,7 +516,7 @@ void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
     offsets.push_back(offsets.back() + n);
   }
   const int64_t total = offsets.back();
-  if (total == 0) return;
+  if (total == 0 || skip) return;
 
   // One parallel loop over the virtual element space of all segments of all groups.
   at::parallel_for(0, total, kGrain, [&](int64_t begin, int64_t end) {

@@ -448,24 +448,52 @@ def test_op_rejects_bad_masters_and_writes_nothing(device):
             OP(p, g, m, v, x, torch.ones(2), sg, TABLE, None, None, [w[0].cpu(), w[1]])
 
 
-def test_wrapper_rejects_bad_masters():
-    """The wrapper sends a segment the kernels do not take to the reference, which raises a
-    ValueError (naming the segment by its place in the reference's sub-list); a numel the
-    kernels check themselves raises the op's RuntimeError."""
+def test_wrapper_rejects_bad_masters_and_writes_nothing():
+    """A bad master is not routed to the reference (which would run after the kernel had
+    written the good segments): the op raises for it, names its index, writes nothing."""
     _need_native("cpu")
     base, cases = _bad_cases("cpu")
     for what, mutate, msg in cases:
         segs, sg = base()
         mutate(segs)
-        err = RuntimeError if what == "numel" else ValueError
-        with pytest.raises(err, match=msg.format(i=r"\d+")):
+        before = _clone(segs)
+        with pytest.raises(RuntimeError, match=msg.format(i=1)):
             _wrapper(segs, torch.tensor([1.0, 1.0]), sg)
+        _assert_equal(segs, before, what)
     segs, sg = base()
     p, g, m, v, x, w = _lists(segs)
     with pytest.raises(RuntimeError, match="masters must be empty or have one entry"):
         K.fused_adamw_(p, g, m, v, x, torch.ones(2), sg, TABLE, masters=w[:1])
     with pytest.raises(ValueError, match="masters must be empty or have one entry"):
         K.fused_adamw_reference_(p, g, m, v, x, torch.ones(2), sg, TABLE, masters=w[:1])
+
+
+def test_reference_checks_every_master_before_writing():
+    base, cases = _bad_cases("cpu")
+    for what, mutate, msg in cases:
+        segs, sg = base()
+        mutate(segs)
+        before = _clone(segs)
+        p, g, m, v, x, w = _lists(segs)
+        with pytest.raises((ValueError, RuntimeError), match=msg.format(i=1)):
+            K.fused_adamw_reference_(p, g, m, v, x, torch.tensor([1.0, 1.0]), sg, TABLE,
+                                     masters=w)
+        _assert_equal(segs, before, what)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_skipped_step_still_reports_bad_inputs(device):
+    """found_inf set: nothing is written, but a bad segment is still an error (CPU and CUDA
+    alike), so a bug does not hide behind an overflow step."""
+    _need_native(device)
+    base, cases = _bad_cases(device)
+    _, mutate, msg = cases[1]
+    segs, sg = base()
+    mutate(segs)
+    p, g, m, v, x, w = _lists(segs)
+    with pytest.raises(RuntimeError, match=msg.format(i=1)):
+        OP(p, g, m, v, x, torch.ones(2), sg, TABLE, None,
+           torch.ones(1, device=device), w)
 
 
 # --------------------------------------------------------------------------- parity with torch

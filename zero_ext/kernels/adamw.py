@@ -109,6 +109,9 @@ def fused_adamw_reference_(
     if len(masters) not in (0, S):
         raise ValueError(f"fused_adamw_: masters must be empty or have one entry per segment "
                          f"({S}), got {len(masters)}")
+    for i, w in enumerate(masters):  # every check before anything is written
+        if w.numel():
+            _check_master(i, params[i], w, exp_avgs[i], exp_avg_sqs[i])
     if S == 0:
         return
     if found_inf is not None and float(found_inf.reshape(-1)[0]) != 0.0:
@@ -125,8 +128,6 @@ def fused_adamw_reference_(
             step = step_values[i]
             cdt = torch.float64 if p.dtype == torch.float64 else torch.float32
             master = masters[i] if masters and masters[i].numel() else None
-            if master is not None:
-                _check_master(i, p, master, exp_avgs[i], exp_avg_sqs[i])
             g = grads[i].to(cdt, copy=True)
             if maximize:
                 g.neg_()
@@ -299,6 +300,12 @@ def _native_ok(p: Tensor, m: Tensor, v: Tensor, x: Optional[Tensor],
     return x is None or x.numel() == 0 or x.dtype == m.dtype
 
 
+def _master_ok(p: Tensor, w: Tensor, m: Tensor, v: Tensor) -> bool:
+    return (p.dtype in (torch.bfloat16, torch.float16) and w.dtype == torch.float32
+            and m.dtype == torch.float32 and v.dtype == torch.float32
+            and w.device == p.device)
+
+
 def _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
                   segment_groups, group_hparams):
     """Which segments need contiguous copies / the reference; None when none do."""
@@ -321,6 +328,8 @@ def _staging_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters
         seg += [w] if w is not None else []
         if any(t.numel() != params[i].numel() for t in seg):
             return None
+        if w is not None and not _master_ok(params[i], w, exp_avgs[i], exp_avg_sqs[i]):
+            return None  # the op raises for it, before writing anything
         if not _native_ok(params[i], exp_avgs[i], exp_avg_sqs[i], x, w):
             reference.append(i)
             continue

@@ -55,20 +55,23 @@ run 270 "full JIT build of csrc/ (CPU + CUDA sources)" \
   bash -c "$PY -c '$BUILD_PY' 2>&1 | tee $OUT/build.log"
 if [ $? != 0 ]; then
   # a colleague's half-finished file must not hide the fused AdamW results
-  export ZERO_EXT_JIT_SOURCES=ops.cpp,fused_adamw_cpu.cpp,fused_adamw.cu
+  export ZERO_EXT_JIT_SOURCES=fused_adamw_cpu.cpp,fused_adamw.cu
   export ZERO_EXT_JIT_NAME=zero_ext_adamw_only_cuda
-  run 150 "fallback build: ops.cpp + fused AdamW sources only" \
+  run 150 "fallback build: fused AdamW sources only" \
     bash -c "$PY -c '$BUILD_PY' 2>&1 | tee -a $OUT/build.log"
 fi
 grep -iE "warning|error" "$OUT/build.log" | head -40
 
 run 90 "every CUDA test in tests/ (-k cuda)" \
-  bash -c "$PY -m pytest tests -k cuda -q -rs --timeout 60 -p no:cacheprovider 2>&1 | tee $OUT/tests.log"
-run 60 "tests/test_fused_adamw.py in full (CPU + CUDA)" \
-  bash -c "$PY -m pytest tests/test_fused_adamw.py -q -rs --timeout 50 -p no:cacheprovider 2>&1 | tee -a $OUT/tests.log"
+  bash -c "$PY -m pytest tests -k cuda -v -rs -p faulthandler --timeout 60 -p no:cacheprovider 2>&1 | tee $OUT/tests.log"
+# (-v and faulthandler: a test that crashes the process is named in the log)
+run 80 "kernel test files in full (CPU + CUDA, masters included)" \
+  bash -c "$PY -m pytest tests/test_fused_adamw.py tests/test_fused_adamw_masters.py -v -rs -p faulthandler --timeout 50 -p no:cacheprovider 2>&1 | tee -a $OUT/tests.log"
 
 run 110 "bench_adamw --device cuda" \
   $PY benchmarks/bench_adamw.py --device cuda --reps 20 --max-seconds 3 --out "$OUT/bench_cuda.md"
+run 60 "bench_adamw --mode masters --device cuda (bf16 + fp32 masters vs a same-bytes copy)" \
+  bash -c "$PY benchmarks/bench_adamw.py --mode masters --device cuda 2>&1 | tee -a $OUT/bench_cuda.md"
 for b in benchmarks/bench_flatten.py; do  # colleagues' kernel benchmarks that take --device
   [ -f "$b" ] && grep -q -- "--device" "$b" && \
     run 45 "$b --device cuda" bash -c "$PY $b --device cuda 2>&1 | tee -a $OUT/bench_cuda.md"

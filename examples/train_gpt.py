@@ -3,6 +3,8 @@
     torchrun --nproc_per_node 2 examples/train_gpt.py          # 2 ranks, CPU / gloo
     python examples/train_gpt.py                                # 1 process (world of 1)
     torchrun --nproc_per_node 2 examples/train_gpt.py --torch-zero   # torch's ZeRO, to compare
+    torchrun --nproc_per_node 2 examples/train_gpt.py --dtype bf16 --master-weights
+                                                # bf16 params, fp32 masters + state per owner
 
 The data is generated in-process and has structure a transformer can learn, so the loss
 clearly falls: every sequence is either an arithmetic progression modulo the vocabulary
@@ -10,9 +12,18 @@ clearly falls: every sequence is either an arithmetic progression modulo the voc
 batches. The optimizer is AdamW with the usual decay / no-decay param-group dicts (no weight
 decay on biases, LayerNorm weights and position embeddings), under a warmup + cosine schedule.
 
-Printed: loss and lr every --log-every steps, mean step time and mean optimizer-step time,
-and per rank the optimizer-state memory (bytes of the tensors in opt.optim.state) and the
-number of parameter elements whose state the rank holds (opt.local_numel).
+--dtype bf16 puts the model's params (and so its grads) in bfloat16 (`model.to(torch.bfloat16)`;
+the loss is computed in float32). --master-weights passes master_weights=True: the rank that
+owns each element keeps a float32 master copy and float32 AdamW state, and the params receive
+the master rounded to nearest even. Without it, AdamW steps the bf16 params directly (state in
+bf16 too), and updates smaller than half a bf16 ulp of a weight are lost.
+
+Printed: after the first step, per rank, the bytes per param this rank holds (its params, their
+grads and every tensor of its optimizer state, masters included, measured from the tensors and
+divided by the model's param count); loss and lr every --log-every steps, mean step time and
+mean optimizer-step time, and per rank the optimizer-state memory (bytes of the tensors in
+opt.optim.state) and the number of parameter elements whose state the rank holds
+(opt.local_numel).
 """
 from __future__ import annotations
 
@@ -137,10 +148,38 @@ def state_size(opt) -> tuple[int, int]:
     return sum(t.numel() * t.element_size() for t in ts), sum(t.numel() for t in ts)
 
 
+def tensor_bytes(params, opt) -> dict:
+    """Bytes this rank holds in the params, their grads and its optimizer state (every tensor
+    in opt.optim.state, fp32 masters included), measured from the tensors."""
+    params = list(params)
+    state = sum(t.nbytes for st in opt.optim.state.values() for t in st.values()
+                if torch.is_tensor(t))
+    return {"weights": sum(p.nbytes for p in params),
+            "grads": sum(p.grad.nbytes for p in params if p.grad is not None),
+            "state": state}
+
+
 def local_numel(opt) -> int:
     if hasattr(opt, "local_numel"):
         return int(opt.local_numel)
     return sum(p.numel() for g in opt.optim.param_groups for p in g["params"])  # torch's ZeRO
+
+
+def report_bytes_per_param(model: nn.Module, opt, n_params: int, rank: int, world: int,
+                           masters: bool) -> None:
+    """Print, per rank, what it holds per param of the model: weights + grads + optimizer
+    state (masters included), measured from the tensors (collective: every rank calls it)."""
+    mine = tensor_bytes(model.parameters(), opt)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        for r, b in enumerate(everyone):
+            total = b["weights"] + b["grads"] + b["state"]
+            print(f"rank {r}: {total / n_params:.2f} bytes per param held "
+                  f"(weights {b['weights'] / n_params:.2f} + grads {b['grads'] / n_params:.2f} "
+                  f"+ optimizer state{' incl. fp32 masters' if masters else ''} "
+                  f"{b['state'] / n_params:.2f}), "
+                  f"{total / 2**20:.3f} MiB", flush=True)
 
 
 def main(argv=None) -> int:
@@ -154,6 +193,11 @@ def main(argv=None) -> int:
                     help="parameters_as_bucket_view=True (params become views of flat buffers)")
     ap.add_argument("--torch-zero", action="store_true",
                     help="use torch.distributed.optim.ZeroRedundancyOptimizer instead")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="dtype of the model's params and grads (bf16: model.to(torch.bfloat16))")
+    ap.add_argument("--master-weights", action="store_true",
+                    help="master_weights=True: fp32 master copy and fp32 AdamW state of the "
+                         "elements each rank owns (zero_ext only)")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     ap.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
     ap.add_argument("--vocab", type=int, default=64, help="vocabulary size")
@@ -172,6 +216,9 @@ def main(argv=None) -> int:
                     help="cpu uses gloo, cuda uses nccl with one GPU per rank")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
     args = ap.parse_args(argv)
+    if args.master_weights and args.torch_zero:
+        ap.error("--master-weights is a zero_ext option; torch's ZeroRedundancyOptimizer "
+                 "has no master weights")
 
     device = torch.device(args.device)
     rank, world, store_path = init_distributed(device)
@@ -183,7 +230,10 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = GPT(args.vocab, args.seq_len, args.d_model, args.layers, args.heads).to(device)
+    if args.dtype == "bf16":
+        model.to(torch.bfloat16)
     n_params = sum(p.numel() for p in model.parameters())
+    masters = args.master_weights and args.dtype != "fp32"  # fp32 params need no master copy
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     groups = param_groups(model, args.weight_decay)
@@ -196,16 +246,18 @@ def main(argv=None) -> int:
     else:
         from zero_ext import ZeroRedundancyOptimizer
 
+        extra = {"master_weights": True} if args.master_weights else {}
         opt = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
                                       parameters_as_bucket_view=args.bucket_view,
-                                      sharding=args.sharding)
-        impl = f"zero_ext.ZeroRedundancyOptimizer(sharding={args.sharding!r})"
+                                      sharding=args.sharding, **extra)
+        impl = (f"zero_ext.ZeroRedundancyOptimizer(sharding={args.sharding!r}"
+                f"{', master_weights=True' if args.master_weights else ''})")
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, 1.0, args.warmup, args.steps))
 
     if rank == 0:
         print(f"world {world} ({dist.get_backend()}), {impl}, bucket view {args.bucket_view}, "
-              f"{n_params:,} params in {len(list(model.parameters()))} tensors, "
+              f"{n_params:,} {args.dtype} params in {len(list(model.parameters()))} tensors, "
               f"{args.steps} steps of {args.batch_size}x{args.seq_len} tokens per rank",
               flush=True)
 
@@ -216,7 +268,7 @@ def main(argv=None) -> int:
         x, y = (t.to(device) for t in make_batch(gen, args.batch_size, args.seq_len, args.vocab))
         t0 = time.perf_counter()
         logits = ddp(x)
-        loss = F.cross_entropy(logits.view(-1, args.vocab), y.view(-1))
+        loss = F.cross_entropy(logits.float().view(-1, args.vocab), y.view(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         t1 = time.perf_counter()
@@ -227,6 +279,8 @@ def main(argv=None) -> int:
         t2 = time.perf_counter()
         step_times.append(t2 - t0)
         opt_times.append(t2 - t1)
+        if step == 0:  # the optimizer state exists from the first step on
+            report_bytes_per_param(model, opt, n_params, rank, world, masters)
 
         window.append(loss.detach())
         if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
@@ -261,7 +315,9 @@ def main(argv=None) -> int:
             print(f"{m['rank']:4d}  {m['state_bytes'] / 2**20:19.3f}  "
                   f"{m['state_elems']:14,d}  {m['local_numel']:11,d}  "
                   f"{m['local_numel'] / n_params:15.1%}")
-        print(f"(unsharded AdamW would hold {2 * n_params * 4 / 2**20:.3f} MiB on every rank)")
+        per_param = 12 if masters else 2 * next(model.parameters()).element_size()
+        print(f"(unsharded {'AdamW with fp32 masters' if masters else 'AdamW'} "
+              f"would hold {per_param * n_params / 2**20:.3f} MiB on every rank)")
 
     dist.destroy_process_group()
     if store_path and os.path.exists(store_path):

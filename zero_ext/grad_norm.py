@@ -21,16 +21,29 @@ from torch import Tensor
 from .sync import backend_device
 
 
+# bf16/fp16 grads are upcast in chunks of this many elements (4 MB of float32 at a time):
+# torch._foreach_norm(..., dtype=torch.float32) on bf16 is about 8x slower on CPU than
+# upcasting and taking the float32 norm (219 vs 28 ms for 62M elements, one thread).
+UPCAST_CHUNK = 1 << 20
+
+
 def local_terms(pieces: Sequence[Tensor], norm_type: float) -> float:
-    """Sum of |x|^p over the elements of `pieces` (max |x| for p = inf), in float64."""
+    """Sum of |x|^p over the elements of `pieces` (max |x| for p = inf), in float64.
+    float32 pieces are reduced per tensor as torch.nn.utils.clip_grad_norm_ does (so the
+    norms agree to float32 rounding); bf16/fp16 pieces in float32, chunk by chunk."""
     if not pieces:
         return 0.0
-    norms = torch._foreach_norm(list(pieces), norm_type, dtype=torch.float32)
+    wide = [t for t in pieces if t.dtype not in (torch.bfloat16, torch.float16)]
+    norms = list(torch._foreach_norm(wide, norm_type)) if wide else []
+    for t in pieces:
+        if t.dtype in (torch.bfloat16, torch.float16):
+            flat = t.reshape(-1)
+            norms += [torch.linalg.vector_norm(c.float(), norm_type)
+                      for c in flat.split(UPCAST_CHUNK)]
     by_dev = {}
     for n in norms:
         by_dev.setdefault(n.device, []).append(n)
-    parts = [torch.stack(v).to("cpu", torch.float64) for v in by_dev.values()]
-    vals = torch.cat(parts)
+    vals = torch.cat([torch.stack(v).to("cpu", torch.float64) for v in by_dev.values()])
     if math.isinf(norm_type):
         return float(vals.max()) if not torch.isnan(vals).any() else float("nan")
     return float(vals.pow(norm_type).sum())

@@ -134,6 +134,21 @@ def _alias_free_runs(segs: List[Segment]) -> List[List[Segment]]:
     return runs
 
 
+def keep_loaded_state(st: Dict[str, Any], key: Tensor, saved: Dict[str, Any],
+                      master_weights: bool, copy: bool) -> None:
+    """After torch's ``Optimizer.load_state_dict``, which casts every floating state tensor
+    to its param's dtype: a master-weights key (bf16/fp16) takes back the `saved` float32
+    values (master and moments); without master weights a loaded master is dropped (nothing
+    would keep it current). `copy`: copy the saved tensors (they belong to the caller)."""
+    if not (master_weights and has_master(key)):
+        st.pop("master", None)
+        return
+    for name, v in saved.items():
+        if (name != "step" and isinstance(v, Tensor) and v.is_floating_point()
+                and v.dim() > 0 and v.numel() == key.numel()):
+            st[name] = v.detach().to(key.device, torch.float32, copy=copy).view(key.shape)
+
+
 def whole_params_layout(param_groups: Sequence[Dict[str, Any]]) -> StepLayout:
     """Every param of every group as one segment of one chunk (a plain optimizer)."""
     params = [p for g in param_groups for p in g["params"]]

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from . import grad_norm
-from .engine import AdamWEngine, has_master, hparams_row  # noqa: F401 (public here too)
+from .engine import AdamWEngine, hparams_row, keep_loaded_state  # noqa: F401 (public here too)
 
 __all__ = ["FusedAdamW", "fused_path_supported", "hparams_row"]
 
@@ -198,22 +198,12 @@ class FusedAdamW(torch.optim.Optimizer):
         self._engine.invalidate()
 
     def _keep_float32_state(self, state_dict: Dict[str, Any]) -> None:
-        """torch's load casts every floating state tensor to its param's dtype; a
-        master-weights state keeps the saved float32 values (master and moments), and an
-        optimizer without master weights drops saved masters (they would go stale)."""
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for sid, p in zip(saved_ids, params):
-            st = self.state.get(p)
-            if not st:
-                continue
-            if not (self.master_weights and has_master(p)):
-                st.pop("master", None)
-                continue
-            for name, v in state_dict["state"].get(sid, {}).items():
-                if (name != "step" and isinstance(v, Tensor) and v.is_floating_point()
-                        and v.numel() == p.numel()):
-                    st[name] = v.detach().to(p.device, torch.float32, copy=True).view(p.shape)
+            if self.state.get(p):
+                keep_loaded_state(self.state[p], p, state_dict["state"].get(sid, {}),
+                                  self.master_weights, copy=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._clip = None  # a clip computed from the old grads does not apply to new ones

@@ -27,7 +27,7 @@ import torch
 
 from . import layout
 from .agree import agree
-from .engine import has_master
+from .engine import keep_loaded_state
 from .fused_adamw import FusedAdamW
 from .precision import MASTER
 from .groups import copy_hyperparameters, hyperparameters
@@ -256,23 +256,13 @@ def install(opt: "ZeroRedundancyOptimizer", saved_groups: list[dict],
 
 
 def _keep_master_state(opt: "ZeroRedundancyOptimizer", local_states: dict[int, dict]) -> None:
-    """torch's load casts every floating state tensor to its param's dtype. With master
-    weights a bf16/fp16 key keeps the loaded float32 values (master and moments; a state
-    without a master gets one from the param at the next step); without master weights a
-    loaded master is dropped (nothing would keep it current)."""
+    """Loaded float32 masters and moments stay float32 (see engine.keep_loaded_state); a
+    state without a master gets one from the param at the next step."""
     keys = [lp.key for gi in range(len(opt.param_groups)) for lp in opt.plan.local_pieces(gi)]
     for idx, saved in local_states.items():
-        key = keys[idx]
-        st = opt.optim.state.get(key)
-        if not st:
-            continue
-        if not (opt.master_weights and has_master(key)):
-            st.pop(MASTER, None)
-            continue
-        for name, v in saved.items():
-            if (name != "step" and isinstance(v, torch.Tensor) and v.is_floating_point()
-                    and v.dim() > 0 and v.numel() == key.numel()):
-                st[name] = v.detach().to(key.device, torch.float32).view(key.shape)
+        st = opt.optim.state.get(keys[idx])
+        if st:  # `saved` is install's own copy: no need to copy again
+            keep_loaded_state(st, keys[idx], saved, opt.master_weights, copy=False)
 
 
 _ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")

@@ -703,3 +703,142 @@ def test_fused_adamw_params_over_one_memory_step_in_turn(dtype, master_weights):
         assert_params_close([opt.state[a]["master"]], [ra.detach()], MASTER_ATOL, MASTER_RTOL)
     rtol = ULP_RTOL.get(dtype, 1e-6)
     assert_params_close([a.detach().float()], [ra.detach()], 1e-6, rtol)
+
+
+# ----------------------------------------------------------------------------- review flows
+# (each failed before its fix: a clip in the closure applied one step late, a stale clip
+# applied to new grads, FusedAdamW as optimizer_class scaling fp16 grads in fp16, the closure
+# not handed to the local optimizer, master_weights lost by deepcopy)
+
+def _closure_run(ctx, cls, defaults, kw, dtype):
+    pz = make_params(SHAPES, seed=14, dtypes=[dtype] * len(SHAPES))
+    ref = _ref_from(pz)
+    opt = _zero(_groups(pz), cls, ctx.pg, **kw, **defaults)
+    ropt = cls(_groups(ref), **defaults)
+    for s in range(6):
+        def closure():
+            opt.zero_grad()
+            _grads(pz, s)
+            opt.clip_grad_norm_(0.3)
+            return torch.zeros(())
+        opt.step(closure)
+        _grads(pz, s)
+        _feed_ref(ref, pz)
+        torch.nn.utils.clip_grad_norm_(ref, 0.3)
+        ropt.step()
+    return {"zero": detached(pz), "ref": detached(ref), "masters": _masters(opt),
+            "dtypes": [str(p.dtype) for p in pz], "norms": []}
+
+
+@SC.scenario()
+def clip_inside_the_closure(ctx):
+    return {"fused_fp32": _closure_run(ctx, AdamW, ADAMW, {"sharding": "flat"}, torch.float32),
+            "fused_bf16": _closure_run(ctx, AdamW, ADAMW, {"master_weights": True}, bf16),
+            "sgd_bf16": _closure_run(ctx, SGD, dict(lr=0.05, momentum=0.9),
+                                     {"master_weights": True, "sharding": "flat"}, bf16),
+            "sgd_fp32_param": _closure_run(ctx, SGD, dict(lr=0.05, momentum=0.9),
+                                           {"sharding": "param"}, torch.float32)}
+
+
+def test_a_clip_inside_the_closure_applies_to_its_grads(world):
+    vals = world.values("clip_inside_the_closure")
+    for name in vals[0]:
+        _check([v[name] for v in vals])
+
+
+@SC.scenario()
+def stale_clip(ctx):
+    """clip, no step, the grads replaced (model.zero_grad / p.grad = None, a new backward),
+    a step without clipping: torch applies no clip; then clip + more accumulation + step is
+    an error on every rank (torch would clip the old part only)."""
+    pz = make_params(SHAPES, seed=15)
+    ref = _ref_from(pz)
+    opt = _zero(_groups(pz), AdamW, ctx.pg, sharding="flat", **ADAMW)
+    ropt = AdamW(_groups(ref), **ADAMW)
+    _grads(pz, 0)
+    opt.clip_grad_norm_(0.01)
+    for p in pz:
+        p.grad = None
+    _grads(pz, 1)
+    _feed_ref(ref, pz)
+    opt.step()
+    ropt.step()
+    _grads(pz, 2)
+    opt.clip_grad_norm_(0.01)
+    for p in pz:
+        p.grad.add_(p.grad)  # a second backward accumulating
+    try:
+        opt.step()
+        raised = None
+    except RuntimeError as exc:
+        raised = str(exc)
+    return {"zero": detached(pz), "ref": detached(ref), "masters": None,
+            "dtypes": [str(p.dtype) for p in pz], "norms": [], "raised": raised}
+
+
+def test_a_clip_of_replaced_grads_is_dropped_and_one_of_changed_grads_raises(world):
+    vals = world.values("stale_clip")
+    _check(vals)
+    for v in vals:
+        assert v["raised"] is not None and "changed in place" in v["raised"], v["raised"]
+
+
+@SC.scenario()
+def fused_adamw_class_fp16_scaler(ctx):
+    """optimizer_class=FusedAdamW with masters: GradScaler's unscale must happen in fp32
+    (true grads about 1e-6: in fp16 they would underflow once unscaled)."""
+    from zero_ext import FusedAdamW
+    scale = 2.0 ** 16
+    pz = make_params(SHAPES, seed=16, dtypes=[fp16] * len(SHAPES))
+    ref = _ref_from(pz)
+    opt = _zero(_groups(pz), FusedAdamW, ctx.pg, master_weights=True, lr=1e-3, eps=1e-12)
+    ropt = AdamW(_groups(ref), lr=1e-3, eps=1e-12)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=10 ** 6)
+    scaler.scale(torch.ones(()))
+    for s in range(5):
+        _grads(pz, s, scale=scale * 4e-4)  # what a scaled backward of ~1e-6 grads gives
+        for r, p in zip(ref, pz):
+            r.grad = p.grad.float() / scale
+        scaler.step(opt)
+        scaler.update()
+        ropt.step()
+    return {"zero": detached(pz), "ref": detached(ref), "masters": _masters(opt),
+            "dtypes": [str(p.dtype) for p in pz], "norms": []}
+
+
+def test_fused_adamw_class_unscales_in_float32(world):
+    _check(world.values("fused_adamw_class_fp16_scaler"))
+
+
+@SC.scenario()
+def closure_handed_to_the_local_optimizer(ctx):
+    """As torch's ZeRO: in "param" mode the local optimizer calls the closure (LBFGS calls
+    it several times)."""
+    from zero_ext import ZeroRedundancyOptimizer
+    pz = make_params(SHAPES[:4], seed=17)  # every rank owns a param at world 3
+    opt = ZeroRedundancyOptimizer(pz, torch.optim.LBFGS, process_group=ctx.pg,
+                                  sharding="param", lr=0.1, max_iter=3)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = sum((p ** 2).sum() for p in pz)
+        loss.backward()
+        return loss
+    opt.step(closure)
+    return len(calls)
+
+
+def test_the_closure_reaches_the_local_optimizer(world):
+    assert all(n >= 2 for n in world.values("closure_handed_to_the_local_optimizer"))
+
+
+def test_fused_adamw_keeps_master_weights_through_deepcopy():
+    import copy
+    ps, ref, opt, ropt = _fused_pair()
+    _grads(ps, 0)
+    opt.step()
+    twin = copy.deepcopy(opt)
+    assert twin.master_weights is True
+    assert all(st["master"].dtype == torch.float32 for st in twin.state.values())

@@ -173,6 +173,11 @@ class FusedAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         self._engine.invalidate()
 
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state["master_weights"] = self.master_weights  # (torch keeps only its own keys)
+        return state
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
@@ -235,7 +240,8 @@ class FusedAdamW(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         pending, self._clip = self._clip, None
-        clip = None if pending is None else pending.factor
+        clip = None if pending is None else pending.factor_for(
+            [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None])
         if clip is not None:  # the kernel divides by grad_scale
             grad_scale = (clip.reciprocal() if grad_scale is None
                           else grad_scale.reshape(()).float() / clip.to(grad_scale.device))

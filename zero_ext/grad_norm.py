@@ -97,6 +97,23 @@ class PendingClip:
         return len(grads) == len(self._grads) and all(
             r() is g and v == g._version for (r, v), g in zip(self._grads, grads))
 
+    def factor_for(self, grads: Sequence[Tensor]) -> Optional[Tensor]:
+        """The factor a step reading `grads` applies: this clip's, if they are the grads it
+        was computed from; None if those were replaced since (a backward after
+        zero_grad(set_to_none=True): the clip applied to grads that are gone, as in torch);
+        an error if they were changed in place (a backward accumulating into them): the
+        step cannot apply the clip as torch would have (to the old part only)."""
+        if self.same_grads(grads):
+            return self.factor
+        if len(grads) != len(self._grads) or any(
+                r() is not g for (r, _), g in zip(self._grads, grads)):
+            return None
+        raise RuntimeError(
+            "clip_grad_norm_ was called, then the grads were changed in place before step() "
+            "(e.g. another backward accumulated into them, or GradScaler checked still-scaled "
+            "grads): the clip cannot be applied as torch would have. Clip after the last "
+            "backward (with a GradScaler, after scaler.unscale_(opt))")
+
 
 def clip(norm: float, max_norm: float, norm_type: float, error_if_nonfinite: bool,
          pending: Optional[PendingClip], grads: Sequence[Tensor]) -> tuple[PendingClip, float]:

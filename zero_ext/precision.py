@@ -23,7 +23,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .engine import memory_of, has_master
+from .engine import LOW_PRECISION, has_master, memory_of
 
 MASTER = "master"
 
@@ -75,10 +75,11 @@ def generic_precision(keys: Sequence[Tensor], state: dict, master_weights: bool,
                         resync_master(master, k)
                     shared.setdefault(mem, master)
                     g2 = g.to(torch.float32, copy=True)
-                else:
-                    g2 = g.clone()
-                if factor is not None:
-                    g2.mul_(factor.to(g2.device, g2.dtype))
+                    if factor is not None:
+                        g2.mul_(factor.to(g2.device))
+                else:  # in float32, rounded once (as torch's clip multiplies bf16 grads)
+                    g2 = (g.to(torch.float32) * factor.to(g.device)).to(g.dtype) \
+                        if g.dtype in LOW_PRECISION else g * factor.to(g.device, g.dtype)
                 data = k.data
                 swaps.append((k, data, g, master))
                 k.grad = None  # a grad must match the data's dtype when data is swapped

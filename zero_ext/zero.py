@@ -74,10 +74,13 @@ class _ZeroJoinHook(JoinHook):
         # The ranks still training step under a GradScaler, whose inf flag joins the step's
         # first agreement: take part in it with "no inf" (the others' flag decides).
         zero.found_inf = torch.zeros(1)
+        # its stale grads are still scaled as the last step's were (unscale_ never runs)
+        zero.grad_scale = zero._last_grad_scale
         try:
             zero.step()
         finally:
             del zero.found_inf
+            del zero.grad_scale
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -161,6 +164,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.master_weights = master_weights
         self._clip: grad_norm.PendingClip | None = None  # from clip_grad_norm_, for step
         self._scaler_seen = False  # a GradScaler drove a step (the join hook mimics it)
+        self._last_grad_scale: torch.Tensor | None = None
         self._overlap_with_ddp = False
         super().__init__(groups, defaults)  # fills defaults into the groups
         Joinable.__init__(self)
@@ -350,8 +354,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         self._scaler_seen = self._scaler_seen or found_inf is not None
-        pending, self._clip = self._clip, None
-        clip = None if pending is None else pending.factor
+        self._last_grad_scale = grad_scale  # the join hook's stale grads carry it too
         mask = self._trainable_mask()
         mask_hash = hash(tuple(mask)) & ((1 << 62) - 1)
         inf = int(found_inf is not None and bool(found_inf.ne(0).any()))
@@ -371,6 +374,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self.plan.rebuild_buckets()
                 self._layout_changed(fresh_buffers=True)
         if inf:  # an inf/NaN grad on some rank: no rank steps (GradScaler backs off)
+            self._clip = None
             if closure is not None:
                 with torch.enable_grad():
                     return closure()
@@ -395,6 +399,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     if closure is not None:
                         with torch.enable_grad():
                             loss = closure()
+                    clip = self._take_clip()  # after the closure: it may have clipped
                     divisor = grad_scale
                     if clip is not None:  # the kernel divides the grads by grad_scale
                         divisor = (clip.reciprocal() if grad_scale is None else
@@ -403,8 +408,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                            grad_scale=None if divisor is None
                                            else divisor.reshape(1))
                 else:
-                    loss = self._generic_step(closure, scale_factor(grad_scale, clip),
-                                              **kwargs)
+                    loss = self._generic_step(closure, grad_scale, **kwargs)
             except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
                 error = exc
         if sends is not None:
@@ -441,27 +445,70 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "ZeroRedundancyOptimizer.step: ranks disagree on which params require grad; "
                 "freeze and unfreeze params alike on every rank")
 
-    def _generic_step(self, closure, factor, **kwargs):
-        """optimizer_class's own step on the local share; `factor` multiplies the grads it
-        reads (GradScaler, clipping), and master weights are swapped in around it."""
+    def _generic_step(self, closure, grad_scale, **kwargs):
+        """optimizer_class's own step on the local share. The grads it reads are multiplied
+        by the step's factor (GradScaler's 1/scale, a pending clip) and master weights are
+        swapped in around it (precision.generic_precision); FusedAdamW gets the factor as
+        its own grad_scale (its kernel applies it in float32)."""
         if self._stepper is not None:
             self._stepper.reset()  # this step may create or replace state tensors
+        own_masters = issubclass(self.optimizer_class, FusedAdamW)
+        masters = self.master_weights and not own_masters
+        if (closure is not None and self.sharding == layout.PARAM and not masters
+                and grad_scale is None):
+            # As torch does: the local optimizer calls the closure itself (LBFGS calls it
+            # again and again, SAM twice), and a clip inside it applies to the grads it made.
+            def local_closure():
+                with torch.enable_grad():
+                    out = closure()
+                self._apply_clip_in_place()
+                return out
+            return self.optim.step(local_closure, **kwargs)
         loss = None
-        if closure is not None:
+        if closure is not None:  # evaluated once, before the grads are read
             with torch.enable_grad():
                 loss = closure()
+        factor = scale_factor(grad_scale, self._take_clip())
         flat = self.sharding == layout.FLAT
         if flat:
             self._attach_shard_grads()
-        masters = self.master_weights and not issubclass(self.optimizer_class, FusedAdamW)
         try:
+            if own_masters and factor is not None:
+                self.optim.grad_scale = factor.reciprocal().reshape(1)
             with generic_precision([lp.key for lp in self.plan.local], self.optim.state,
-                                   masters, factor):
+                                   masters, None if own_masters else factor):
                 self.optim.step(**kwargs)
         finally:
+            self.optim.__dict__.pop("grad_scale", None)
             if flat:
                 self._detach_shard_grads()
         return loss
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        """The grads of the params this rank owns elements of (what a clip was computed
+        from, and what the step reads)."""
+        out = []
+        for lp in self.plan.local:
+            g = self._all_params[lp.param_id].grad
+            if g is not None:
+                out.append(g)
+        return out
+
+    def _take_clip(self) -> torch.Tensor | None:
+        """The pending clip factor for this step, then cleared (grad_norm.PendingClip
+        .factor_for: None if the grads were replaced since, an error if changed in place)."""
+        pending, self._clip = self._clip, None
+        return None if pending is None else pending.factor_for(self._local_grads())
+
+    def _apply_clip_in_place(self) -> None:
+        """A clip pending after the closure (the generic path that hands the closure to the
+        local optimizer): scale this rank's grads in place, as torch's clip does."""
+        factor = self._take_clip()
+        if factor is not None:
+            grads = [self._all_params[lp.param_id].grad for lp in self.plan.local]
+            grads = [g for g in grads if g is not None]
+            if grads:
+                torch._foreach_mul_(grads, factor.to(grads[0].device))
 
     def _attach_shard_grads(self) -> None:
         """Flat mode, generic path: each run's grad is a view of its piece of p.grad
@@ -493,6 +540,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ``.grad`` tensors keep their values); :meth:`zero_grad` drops it.
         """
         max_norm, norm_type = grad_norm.validate(max_norm, norm_type)
+        if self._join_config.enable:
+            raise NotImplementedError(
+                "clip_grad_norm_ inside a Join context is not supported: a rank that has "
+                "joined cannot take part in its all-reduce. Use "
+                "torch.nn.utils.clip_grad_norm_ there (every rank clips all grads)")
         error, term, grads = None, 0.0, []
         try:
             pieces, grads = [], []

@@ -121,6 +121,69 @@ def join_uneven_inputs_grad_scaler(ctx):
     return _join_run(ctx, {"sharding": "flat"}, scaler=True)
 
 
+def _join_stale_grads(ctx, use_scaler):
+    """Rank 0 trains 4 more batches than the others; the joined ranks step their shards
+    from their last (stale, nonzero) grads, which a GradScaler left scaled."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _model()
+    opt = make_zero(model.parameters(), AdamW, ctx.pg, lr=1e-2)
+    ddp = DDP(model, process_group=ctx.pg)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=10 ** 6,
+                              enabled=use_scaler)
+    with Join([ddp, opt]):
+        for i in range(5 if ctx.rank == 0 else 1):
+            x, y = _batch(ctx.rank, i)
+            opt.zero_grad()
+            sc.scale(_loss(ddp(x), y)).backward()
+            sc.step(opt)
+            sc.update()
+    return detached(model.parameters())
+
+
+@SC.scenario()
+def join_stale_grads_with_and_without_scaler(ctx):
+    if AGAINST_TORCH:
+        return None
+    return {"scaler": _join_stale_grads(ctx, True), "plain": _join_stale_grads(ctx, False)}
+
+
+def test_join_with_a_grad_scaler_unscales_the_joined_ranks_grads(world):
+    """Loss scaling by 2^16 is exact in fp32: with and without the scaler must agree."""
+    if AGAINST_TORCH:
+        pytest.skip("zero_ext's GradScaler support")
+    for v in world.values("join_stale_grads_with_and_without_scaler"):
+        assert_params_close(v["scaler"], v["plain"], 0.0, 0.0, what="param")
+
+
+@SC.scenario()
+def clip_inside_join(ctx):
+    if AGAINST_TORCH:
+        return None
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _model()
+    opt = make_zero(model.parameters(), AdamW, ctx.pg, lr=1e-2)
+    ddp = DDP(model, process_group=ctx.pg)
+    try:
+        with Join([ddp, opt]):
+            x, y = _batch(ctx.rank, 0)
+            _loss(ddp(x), y).backward()
+            opt.clip_grad_norm_(1.0)
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+def test_clip_grad_norm_inside_join_is_refused_on_every_rank(world):
+    if AGAINST_TORCH:
+        pytest.skip("zero_ext's clip_grad_norm_")
+    for v in world.values("clip_inside_join"):
+        assert v is not None and "Join" in v
+
+
 @pytest.mark.parametrize("name", ["join_uneven_inputs", "join_uneven_inputs_bucket_view",
                                   "join_uneven_inputs_sharding_flat",
                                   "join_uneven_inputs_grad_scaler"])

@@ -842,3 +842,38 @@ def test_fused_adamw_keeps_master_weights_through_deepcopy():
     twin = copy.deepcopy(opt)
     assert twin.master_weights is True
     assert all(st["master"].dtype == torch.float32 for st in twin.state.values())
+
+
+@SC.scenario()
+def fp16_scaler_clip_of_scaled_grads(ctx):
+    """fp16 grads under a GradScaler (torch's unscale_ refuses them): clip the scaled grads
+    with max_norm * scale, then scaler.step. The scaler's in-place inf check between the
+    clip and the step must not void the clip; the result is the fp32 run clipped at
+    max_norm."""
+    pz = make_params(SHAPES, seed=18, dtypes=[fp16] * len(SHAPES))
+    ref = _ref_from(pz)
+    opt = _zero(_groups(pz), AdamW, ctx.pg, master_weights=True, sharding="flat", **ADAMW)
+    ropt = AdamW(_groups(ref), **ADAMW)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=10 ** 6)
+    scaler.scale(torch.ones(()))
+    norms = []
+    for s in range(6):
+        scale = float(scaler.get_scale())
+        _grads(pz, s, scale=scale)
+        for r, p in zip(ref, pz):
+            r.grad = p.grad.float() / scale
+        ours = float(opt.clip_grad_norm_(0.3 * scale)) / scale
+        norms.append((ours, float(torch.nn.utils.clip_grad_norm_(ref, 0.3))))
+        scaler.step(opt)
+        scaler.update()
+        ropt.step()
+    return {"zero": detached(pz), "ref": detached(ref), "masters": _masters(opt),
+            "dtypes": [str(p.dtype) for p in pz], "norms": norms}
+
+
+def test_fp16_grad_scaler_with_a_clip_of_the_scaled_grads(world):
+    vals = world.values("fp16_scaler_clip_of_scaled_grads")
+    _check(vals)
+    for v in vals:
+        for ours, theirs in v["norms"]:
+            assert math.isclose(ours, theirs, rel_tol=1e-6), v["norms"]

@@ -241,7 +241,8 @@ class FusedAdamW(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         pending, self._clip = self._clip, None
         clip = None if pending is None else pending.factor_for(
-            [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None])
+            [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None],
+            scaler_checked=grad_scale is not None)
         if clip is not None:  # the kernel divides by grad_scale
             grad_scale = (clip.reciprocal() if grad_scale is None
                           else grad_scale.reshape(()).float() / clip.to(grad_scale.device))

@@ -97,13 +97,20 @@ class PendingClip:
         return len(grads) == len(self._grads) and all(
             r() is g and v == g._version for (r, v), g in zip(self._grads, grads))
 
-    def factor_for(self, grads: Sequence[Tensor]) -> Optional[Tensor]:
+    def factor_for(self, grads: Sequence[Tensor], scaler_checked: bool = False
+                   ) -> Optional[Tensor]:
         """The factor a step reading `grads` applies: this clip's, if they are the grads it
         was computed from; None if those were replaced since (a backward after
         zero_grad(set_to_none=True): the clip applied to grads that are gone, as in torch);
         an error if they were changed in place (a backward accumulating into them): the
-        step cannot apply the clip as torch would have (to the old part only)."""
+        step cannot apply the clip as torch would have (to the old part only).
+        `scaler_checked`: a GradScaler looked at the grads in place since (see below)."""
         if self.same_grads(grads):
+            return self.factor
+        # GradScaler.step (when unscale_ was not called) checks the grads for infs with an
+        # in-place multiply by 1.0: one version bump per grad, values unchanged.
+        if scaler_checked and len(grads) == len(self._grads) and all(
+                r() is g and g._version == v + 1 for (r, v), g in zip(self._grads, grads)):
             return self.factor
         if len(grads) != len(self._grads) or any(
                 r() is not g for (r, _), g in zip(self._grads, grads)):

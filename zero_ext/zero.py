@@ -399,7 +399,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     if closure is not None:
                         with torch.enable_grad():
                             loss = closure()
-                    clip = self._take_clip()  # after the closure: it may have clipped
+                    clip = self._take_clip(grad_scale)  # after the closure: it may clip
                     divisor = grad_scale
                     if clip is not None:  # the kernel divides the grads by grad_scale
                         divisor = (clip.reciprocal() if grad_scale is None else
@@ -468,7 +468,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if closure is not None:  # evaluated once, before the grads are read
             with torch.enable_grad():
                 loss = closure()
-        factor = scale_factor(grad_scale, self._take_clip())
+        factor = scale_factor(grad_scale, self._take_clip(grad_scale))
         flat = self.sharding == layout.FLAT
         if flat:
             self._attach_shard_grads()
@@ -494,11 +494,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 out.append(g)
         return out
 
-    def _take_clip(self) -> torch.Tensor | None:
+    def _take_clip(self, grad_scale: torch.Tensor | None = None) -> torch.Tensor | None:
         """The pending clip factor for this step, then cleared (grad_norm.PendingClip
         .factor_for: None if the grads were replaced since, an error if changed in place)."""
         pending, self._clip = self._clip, None
-        return None if pending is None else pending.factor_for(self._local_grads())
+        return None if pending is None else pending.factor_for(
+            self._local_grads(), scaler_checked=grad_scale is not None)
 
     def _apply_clip_in_place(self) -> None:
         """A clip pending after the closure (the generic path that hands the closure to the

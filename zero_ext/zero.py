@@ -358,11 +358,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         mask = self._trainable_mask()
         mask_hash = hash(tuple(mask)) & ((1 << 62) - 1)
         inf = int(found_inf is not None and bool(found_inf.ne(0).any()))
-        if (self._replicas.overlapped or self._replicas.frozen_outside_buckets
-                or found_inf is not None):
-            # Bucket views laid out by the trainable params (and, when overlapped, sent from
-            # inside the local step), and GradScaler's verdict: agree on those before
-            # anything is rebuilt, stepped or sent.
+        if self._replicas.overlapped or found_inf is not None:
+            # Buckets sent from inside the local step (overlapped) must be laid out alike
+            # before anything is sent, and GradScaler's verdict must be known before
+            # anything is stepped: agree on both first. Otherwise the step's one agreement
+            # (below, before the exchange) catches ranks that froze different params.
             top, bottom, inf = agree(self.process_group, self.world_size, None,
                                      "ZeroRedundancyOptimizer.step",
                                      (mask_hash, -mask_hash, inf))

@@ -209,9 +209,11 @@ class Replicas:
             return False  # flat bucket views hold frozen params: always exchanged
         return any(not p.requires_grad and p.grad is not None for p in self.plan.params)
 
-    def sync(self, exchange_frozen: bool, buffers_sent: bool = False) -> None:
+    def sync(self, exchange_frozen: bool, buffers_sent: bool = False,
+             trainable: tuple[bool, ...] | None = None) -> None:
         """Send this rank's updated elements of every bucket to all ranks (`buffers_sent`:
-        the overlapped local step already sent the bucket buffers)."""
+        the overlapped local step already sent the bucket buffers; `trainable`: every
+        param's requires_grad, when the caller has it already)."""
         plan = self.plan
         if plan.world_size == 1:
             return
@@ -228,7 +230,9 @@ class Replicas:
             return
         # No bucket views: straight into the params, with bounded staging. Frozen params
         # travel only when some rank stepped one (it held a grad).
-        key = (exchange_frozen, tuple(p.requires_grad for p in plan.params))
+        if trainable is None:
+            trainable = tuple(p.requires_grad for p in plan.params)
+        key = (exchange_frozen, trainable)
         if key not in self._messages:
             active = (lambda pid: True) if exchange_frozen else plan.trainable
             if len(self._messages) > 16:  # one plan per trainable mask seen: keep it bounded

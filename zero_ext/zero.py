@@ -356,7 +356,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._scaler_seen = self._scaler_seen or found_inf is not None
         self._last_grad_scale = grad_scale  # the join hook's stale grads carry it too
         mask = self._trainable_mask()
-        mask_hash = hash(tuple(mask)) & ((1 << 62) - 1)
+        mask_key = tuple(mask)  # (the exchange's plan key too: built once per step)
+        mask_hash = hash(mask_key) & ((1 << 62) - 1)
         inf = int(found_inf is not None and bool(found_inf.ne(0).any()))
         if self._replicas.overlapped or found_inf is not None:
             # Buckets sent from inside the local step (overlapped) must be laid out alike
@@ -424,7 +425,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "ZeroRedundancyOptimizer.step: ranks stepped with different hyperparameters "
                 "(lr, betas, weight_decay, ...) in some param group; a scheduler or a manual "
                 "change must act alike on every rank")
-        replicas.sync(exchange_frozen=bool(frozen_stepped), buffers_sent=sends is not None)
+        replicas.sync(exchange_frozen=bool(frozen_stepped), buffers_sent=sends is not None,
+                      trainable=mask_key)
         groups_mod.copy_hyperparameters(self.optim.param_groups, self.param_groups)
         t2 = time.perf_counter()
         local = t1 - t0 - (sends.comm if sends else 0.0)

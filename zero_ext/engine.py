@@ -75,6 +75,7 @@ def hparams_row(optimizer_class, group: Dict[str, Any]) -> List[float]:
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+MASTER = "master"  # the state entry of a key's float32 master
 
 
 def has_master(key: Tensor) -> bool:
@@ -83,18 +84,19 @@ def has_master(key: Tensor) -> bool:
 
 
 def ensure_master_state(st: Dict[str, Any], key: Tensor) -> None:
-    """Make a bf16/fp16 key's existing state a master-weights state: a float32 ``"master"``
-    of the key's shape (taken from the param when missing or mis-shaped) and float32
-    per-element moments (a state dict of torch's AdamW holds them in the param's dtype)."""
-    w = st.get("master")
+    """Make a bf16/fp16 key's existing state a master-weights state (the fused engine's and
+    the generic path's alike): a float32 ``"master"`` of the key's shape (taken from the
+    param when missing or mis-shaped) and float32 per-element state (a state dict of a bf16
+    run of torch's optimizers holds it in the param's dtype)."""
+    w = st.get(MASTER)
     if not (isinstance(w, Tensor) and w.dtype == torch.float32 and w.shape == key.shape
             and w.device == key.device):
-        st["master"] = (key.detach().to(torch.float32, copy=True) if w is None
-                        or not isinstance(w, Tensor) or w.numel() != key.numel()
-                        else w.detach().to(key.device, torch.float32).reshape(key.shape))
-    for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-        t = st.get(name)
-        if isinstance(t, Tensor) and t.dtype != torch.float32 and t.numel() == key.numel():
+        st[MASTER] = (key.detach().to(torch.float32, copy=True) if w is None
+                      or not isinstance(w, Tensor) or w.numel() != key.numel()
+                      else w.detach().to(key.device, torch.float32).reshape(key.shape))
+    for name, t in list(st.items()):
+        if (name != MASTER and isinstance(t, Tensor) and t.is_floating_point()
+                and t.dim() > 0 and t.numel() == key.numel() and t.dtype != torch.float32):
             st[name] = t.to(torch.float32)
 
 
@@ -111,11 +113,11 @@ def _share_masters(keys: Dict[int, Tensor], stepping: Dict[int, dict]) -> None:
     as a write from outside and drop its own sub-ulp precision)."""
     first: Dict[tuple, Tensor] = {}
     for kid, st in stepping.items():
-        w = st.get("master")
+        w = st.get(MASTER)
         if w is not None:
             w0 = first.setdefault(memory_of(keys[kid]), w)
             if w0 is not w:
-                st["master"] = w0
+                st[MASTER] = w0
 
 
 def _alias_free_runs(segs: List[Segment]) -> List[List[Segment]]:
@@ -141,7 +143,7 @@ def keep_loaded_state(st: Dict[str, Any], key: Tensor, saved: Dict[str, Any],
     values (master and moments); without master weights a loaded master is dropped (nothing
     would keep it current). `copy`: copy the saved tensors (they belong to the caller)."""
     if not (master_weights and has_master(key)):
-        st.pop("master", None)
+        st.pop(MASTER, None)
         return
     for name, v in saved.items():
         if (name != "step" and isinstance(v, Tensor) and v.is_floating_point()
@@ -355,7 +357,7 @@ class AdamWEngine:
             c.params.append(view(s.key))
             c.exp_avgs.append(view(st["exp_avg"]))
             c.exp_avg_sqs.append(view(st["exp_avg_sq"]))
-            w = st.get("master") if self.master_weights and has_master(s.key) else None
+            w = st.get(MASTER) if self.master_weights and has_master(s.key) else None
             masters.append(None if w is None else view(w))
             if use_max:
                 x = st.get("max_exp_avg_sq") if ams[s.group] else None

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from . import grad_norm
 from .engine import AdamWEngine, hparams_row, keep_loaded_state  # noqa: F401 (public here too)
+from .precision import kernel_divisor
 
 __all__ = ["FusedAdamW", "fused_path_supported", "hparams_row"]
 
@@ -243,10 +244,7 @@ class FusedAdamW(torch.optim.Optimizer):
         clip = None if pending is None else pending.factor_for(
             [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None],
             scaler_checked=grad_scale is not None)
-        if clip is not None:  # the kernel divides by grad_scale
-            grad_scale = (clip.reciprocal() if grad_scale is None
-                          else grad_scale.reshape(()).float() / clip.to(grad_scale.device))
-            grad_scale = grad_scale.reshape(1)
-        self._engine.step(self.param_groups, self.state, grad_scale=grad_scale,
+        self._engine.step(self.param_groups, self.state,
+                          grad_scale=kernel_divisor(grad_scale, clip),
                           found_inf=getattr(self, "found_inf", None))
         return loss

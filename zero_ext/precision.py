@@ -23,9 +23,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .engine import LOW_PRECISION, has_master, memory_of
-
-MASTER = "master"
+from .engine import LOW_PRECISION, MASTER, ensure_master_state, has_master, memory_of
 
 
 def resync_master(master: Tensor, key: Tensor) -> None:
@@ -35,15 +33,6 @@ def resync_master(master: Tensor, key: Tensor) -> None:
     master.copy_(torch.where(stale, key.to(torch.float32), master))
 
 
-def upcast_state(st: dict, key: Tensor) -> None:
-    """Per-element floating state of a master-weights key lives in float32 (a state dict
-    from a bf16 run of torch's optimizer holds it in the param's dtype)."""
-    for name, v in list(st.items()):
-        if (name != MASTER and isinstance(v, Tensor) and v.is_floating_point()
-                and v.dim() > 0 and v.numel() == key.numel() and v.dtype != torch.float32):
-            st[name] = v.to(torch.float32)
-
-
 @contextmanager
 def generic_precision(keys: Sequence[Tensor], state: dict, master_weights: bool,
                       factor: Optional[Tensor]) -> Iterator[None]:
@@ -51,6 +40,8 @@ def generic_precision(keys: Sequence[Tensor], state: dict, master_weights: bool,
     set); `state` its state. Nothing is swapped when there is nothing to do."""
     swaps = []  # (key, data, grad, master or None)
     shared: dict = {}  # keys over one memory (tied params) share one master
+    if not master_weights and factor is None:
+        keys = ()  # nothing to swap: no per-key work on this path's every step
     try:
         with torch.no_grad():
             for k in keys:
@@ -63,16 +54,16 @@ def generic_precision(keys: Sequence[Tensor], state: dict, master_weights: bool,
                 master = None
                 if use_master:
                     st = state.get(k)
-                    if st:
-                        upcast_state(st, k)
-                        master = st.get(MASTER)
+                    if st:  # (an empty state stays empty: the optimizer creates its own)
+                        ensure_master_state(st, k)
                     mem = memory_of(k)
                     if mem in shared:
                         master = shared[mem]
-                    elif master is None or master.shape != k.shape:
-                        master = k.detach().to(torch.float32, copy=True)
-                    else:
+                    elif st:
+                        master = st[MASTER]
                         resync_master(master, k)
+                    else:
+                        master = k.detach().to(torch.float32, copy=True)
                     shared.setdefault(mem, master)
                     g2 = g.to(torch.float32, copy=True)
                     if factor is not None:
@@ -100,6 +91,18 @@ def generic_precision(keys: Sequence[Tensor], state: dict, master_weights: bool,
                     state[k] = state.get(k) or {}
                     state[k][MASTER] = master
                 k.grad = g
+
+
+def kernel_divisor(grad_scale: Optional[Tensor], clip: Optional[Tensor]
+                   ) -> Optional[Tensor]:
+    """What the fused kernel divides the grads by for this step (its ``grad_scale``):
+    GradScaler's scale (not unscaled yet) over a pending clip coefficient, one element;
+    None when both are absent. The reciprocal of `scale_factor`."""
+    if clip is None:
+        return grad_scale
+    if grad_scale is None:
+        return clip.reciprocal().reshape(1)
+    return (grad_scale.reshape(()).float() / clip.to(grad_scale.device)).reshape(1)
 
 
 def scale_factor(grad_scale: Optional[Tensor], clip: Optional[Tensor]) -> Optional[Tensor]:

@@ -27,9 +27,8 @@ import torch
 
 from . import layout
 from .agree import agree
-from .engine import keep_loaded_state
+from .engine import MASTER, keep_loaded_state
 from .fused_adamw import FusedAdamW
-from .precision import MASTER
 from .groups import copy_hyperparameters, hyperparameters
 from .sync import gather_objects, recv_segments, send_segments
 

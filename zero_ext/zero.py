@@ -25,7 +25,7 @@ from . import kernels, layout, state
 from .agree import agree, agree_on_inputs
 from .fused_adamw import FusedAdamW, fused_path_supported
 from .local_step import FusedShardStep
-from .precision import generic_precision, scale_factor
+from .precision import generic_precision, kernel_divisor, scale_factor
 from .replicas import Replicas
 from .sync import Exchanger
 
@@ -401,13 +401,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                         with torch.enable_grad():
                             loss = closure()
                     clip = self._take_clip(grad_scale)  # after the closure: it may clip
-                    divisor = grad_scale
-                    if clip is not None:  # the kernel divides the grads by grad_scale
-                        divisor = (clip.reciprocal() if grad_scale is None else
-                                   grad_scale.reshape(()).float() / clip.to(grad_scale.device))
                     self._fused_step().run(after_chunk=sends.send if sends else None,
-                                           grad_scale=None if divisor is None
-                                           else divisor.reshape(1))
+                                           grad_scale=kernel_divisor(grad_scale, clip))
                 else:
                     loss = self._generic_step(closure, grad_scale, **kwargs)
             except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
@@ -507,11 +502,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """A clip pending after the closure (the generic path that hands the closure to the
         local optimizer): scale this rank's grads in place, as torch's clip does."""
         factor = self._take_clip()
-        if factor is not None:
-            grads = [self._all_params[lp.param_id].grad for lp in self.plan.local]
-            grads = [g for g in grads if g is not None]
-            if grads:
-                torch._foreach_mul_(grads, factor.to(grads[0].device))
+        grads = self._local_grads() if factor is not None else []
+        if grads:
+            torch._foreach_mul_(grads, factor.to(grads[0].device))
 
     def _attach_shard_grads(self) -> None:
         """Flat mode, generic path: each run's grad is a view of its piece of p.grad

@@ -316,15 +316,10 @@ class _Staging:
         return self.bufs[dtype][:n]
 
 
-def send_segments(group, tensors: list[torch.Tensor], descs: list[tuple], dst: int,
-                  chunk: int) -> None:
-    """Send 1-D `tensors` (described by `descs`: (.., .., .., length, dtype name, ..)) to
-    group rank `dst`, which calls recv_segments with the same descs."""
-    dev = backend_device(group)
-    backend = dist.get_backend(group)
-    dst = dist.get_global_rank(group, dst)
-    plan = message_plan(descs, chunk)
-
+def _messages(plan: list, tensors: list[torch.Tensor], dev: torch.device):
+    """Each message of `plan` as (buffer, parts, staged): the tensor's own slice when the
+    message is one segment already on the transport device, else a staging buffer that the
+    caller packs before sending (or unpacks after receiving)."""
     def direct(k):
         parts = plan[k][1]
         return len(parts) == 1 and tensors[parts[0][0]].device == dev
@@ -333,9 +328,20 @@ def send_segments(group, tensors: list[torch.Tensor], descs: list[tuple], dst: i
     for k, (dt, parts) in enumerate(plan):
         if direct(k):
             i, off, n = parts[0]
-            buf = tensors[i][off:off + n]
+            yield tensors[i][off:off + n], parts, False
         else:
-            buf = staging.get(dt, sum(n for _, _, n in parts))
+            yield staging.get(dt, sum(n for _, _, n in parts)), parts, True
+
+
+def send_segments(group, tensors: list[torch.Tensor], descs: list[tuple], dst: int,
+                  chunk: int) -> None:
+    """Send 1-D `tensors` (described by `descs`: (.., .., .., length, dtype name, ..)) to
+    group rank `dst`, which calls recv_segments with the same descs."""
+    backend = dist.get_backend(group)
+    dst = dist.get_global_rank(group, dst)
+    for buf, parts, staged in _messages(message_plan(descs, chunk), tensors,
+                                        backend_device(group)):
+        if staged:
             pos = 0
             for i, off, n in parts:
                 buf[pos:pos + n].copy_(tensors[i][off:off + n])
@@ -346,26 +352,15 @@ def send_segments(group, tensors: list[torch.Tensor], descs: list[tuple], dst: i
 def recv_segments(group, seg_descs: list[tuple], dests: list[torch.Tensor], src: int,
                   chunk: int) -> None:
     """Receive what group rank `src` sends with send_segments into `dests`."""
-    dev = backend_device(group)
     backend = dist.get_backend(group)
     src = dist.get_global_rank(group, src)
-    plan = message_plan(seg_descs, chunk)
-
-    def direct(k):
-        parts = plan[k][1]
-        return len(parts) == 1 and dests[parts[0][0]].device == dev
-
-    staging = _Staging(plan, direct, dev)
-    for k, (dt, parts) in enumerate(plan):
-        if direct(k):
-            i, off, n = parts[0]
-            dist.recv(wire_view(dests[i][off:off + n], backend), src=src, group=group)
-            continue
-        buf = staging.get(dt, sum(n for _, _, n in parts))
+    for buf, parts, staged in _messages(message_plan(seg_descs, chunk), dests,
+                                        backend_device(group)):
         dist.recv(wire_view(buf, backend), src=src, group=group)
-        pos = 0
-        for i, off, n in parts:
-            dests[i][off:off + n].copy_(buf[pos:pos + n])
-            pos += n
+        if staged:
+            pos = 0
+            for i, off, n in parts:
+                dests[i][off:off + n].copy_(buf[pos:pos + n])
+                pos += n
 
 

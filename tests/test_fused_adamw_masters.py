@@ -20,15 +20,9 @@ import pytest
 import torch
 
 from zero_ext.kernels import adamw as K
-from zero_ext.kernels import native_available
 
-CUDA = torch.cuda.is_available()
-DEVICES = [pytest.param("cpu", id="cpu"),
-           pytest.param("cuda", id="cuda",
-                        marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"))]
-FP32_TOL = dict(atol=1e-6, rtol=1e-5)
-LOW_TOL = {torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2), torch.float16: dict(atol=1e-5, rtol=2e-3),
-           torch.float32: FP32_TOL}
+# the kernel tests' devices, tolerances and native check: one definition for both files
+from test_fused_adamw import CUDA, DEVICES, FP32_TOL, LOW_TOL, _need_native  # noqa: E402
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OP = torch.ops.zero_ext.fused_adamw_
@@ -47,11 +41,6 @@ MIXED = [(BF16, F32, 0, 0, False), (BF16, F32, 1, 1, True), (BF16, F32, 70001, 0
          (F16, F32, 4097, 2, True), (F16, F32, 33, 3, True), (F32, F32, 1000, 1, False),
          (BF16, BF16, 301, 0, False), (BF16, F32, 302, 2, False), (F16, F16, 303, 3, False),
          (F16, F32, 40000, 1, True), (BF16, F32, 17, 3, True)]
-
-
-def _need_native(device):
-    if not native_available("fused_adamw_", device):
-        pytest.skip(f"native zero_ext ops unavailable on {device}")
 
 
 def _seg(device, pdt, sdt, n, group, master, gen):

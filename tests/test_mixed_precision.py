@@ -284,6 +284,8 @@ def clip_norm_types_and_nonfinite(ctx):
     if ctx.rank == ctx.world_size - 1:  # a NaN on one rank only: NaN on every rank
         pz[-1].grad[0] = float("nan")
     out["nan"] = float(opt.clip_grad_norm_(1.0))
+    opt.zero_grad()  # (writing into clipped grads before the step would be an error)
+    _grads(pz, 3)
     if ctx.rank == 0:
         pz[0].grad[0] = float("inf")
     try:
@@ -305,7 +307,9 @@ def test_clip_norm_types_and_nonfinite_on_every_rank(world):
 @SC.scenario()
 def clip_twice_and_clip_of_new_grads(ctx):
     """Two clips of the same grads compound (torch's second norm is of clipped grads); a
-    clip left pending when the grads were replaced (no step in between) must not."""
+    clip left pending when the grads were replaced (no step in between) must not; one left
+    pending when the grads were accumulated into is an error (torch's second norm would be
+    of clipped old part + new part, which cannot be rebuilt)."""
     pz = make_params(SHAPES, seed=6)
     ref = _ref_from(pz)
     opt = _zero(_groups(pz), SGD, ctx.pg, sharding="flat", lr=0.1)
@@ -327,24 +331,26 @@ def clip_twice_and_clip_of_new_grads(ctx):
     norms.append((float(opt.clip_grad_norm_(0.3)), float(torch.nn.utils.clip_grad_norm_(ref, 0.3))))
     opt.step()
     ropt.step()
-    _grads(pz, 3)  # accumulated into in place (a second backward): the old clip is stale too
+    _grads(pz, 3)  # accumulated into in place (a second backward) after a clip
     opt.clip_grad_norm_(0.1)
     for p in pz:
         p.grad.add_(p.grad)
-    _feed_ref(ref, pz)
-    norms.append((float(opt.clip_grad_norm_(0.3)), float(torch.nn.utils.clip_grad_norm_(ref, 0.3))))
-    opt.step()
-    ropt.step()
+    try:
+        opt.clip_grad_norm_(0.3)
+        raised = None
+    except RuntimeError as exc:
+        raised = str(exc)
     return {"zero": detached(pz), "ref": detached(ref), "masters": None,
-            "dtypes": [str(p.dtype) for p in pz], "norms": norms}
+            "dtypes": [str(p.dtype) for p in pz], "norms": norms, "raised": raised}
 
 
-def test_clip_twice_compounds_and_a_stale_clip_is_dropped(world):
+def test_clip_twice_compounds_a_stale_clip_is_dropped_a_changed_one_raises(world):
     vals = world.values("clip_twice_and_clip_of_new_grads")
     _check(vals)
     for v in vals:
         for ours, theirs in v["norms"]:
             assert math.isclose(ours, theirs, rel_tol=1e-6), v["norms"]
+        assert v["raised"] is not None and "in place" in v["raised"], v["raised"]
 
 
 # ----------------------------------------------------------------------------- GradScaler

@@ -162,6 +162,22 @@ def whole_params_layout(param_groups: Sequence[Dict[str, Any]]) -> StepLayout:
     return StepLayout(params, [segs])
 
 
+# State entries the kernel lists point at (a replaced one must be seen at the next step).
+_STEPPED = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", MASTER)
+
+
+def _same_state(state: Dict[Tensor, Dict[str, Any]], expected) -> bool:
+    """Whether every cached key still has the same state dict holding the same tensors
+    (identity only: values written in place need nothing, the lists view them)."""
+    for k, st, entries in expected:
+        if state.get(k) is not st or len(st) < len(entries):
+            return False
+        for n, t in entries:
+            if st.get(n) is not t:
+                return False
+    return True
+
+
 class _StepPack:
     """float32 buffer on one device whose 0-d views are the params' ``state["step"]``."""
 
@@ -230,8 +246,7 @@ class AdamWEngine:
         if any(g is None for g in grads):
             none = tuple(i for i, g in enumerate(grads) if g is None)
         if plan is None or plan.layout is not layout or plan.none != none or plan.key != key \
-                or not all(state.get(k) is st and st.get("step") is s
-                           for k, st, s in plan.states):
+                or not _same_state(state, plan.states):
             plan = self._plan = self._build(param_groups, state, layout, grads, none)
             plan.auto = auto
         table = torch.tensor([hparams_row(self.optimizer_class, g) for g in param_groups],
@@ -313,8 +328,10 @@ class AdamWEngine:
         plan = _Plan()
         plan.none, plan.chunks, plan.increments = none, chunks, increments
         plan.refs = (state, [g["params"] for g in param_groups])
-        # the state entries the lists view: a replaced entry or step means a rebuild
-        plan.states = [(keys[kid], st, st["step"]) for kid, st in stepping.items()]
+        # the state entries the lists view: a replaced dict, step or state tensor (a user
+        # resetting a moment with `st["exp_avg"] = torch.zeros_like(...)`) means a rebuild
+        plan.states = [(keys[kid], st, tuple((n, st[n]) for n in _STEPPED if n in st))
+                       for kid, st in stepping.items()]
         plan.layout, plan.auto = layout, False
         plan.key = self._key(param_groups, state)  # after the lazy init grew the state
         return plan

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import grad_norm
 from .engine import AdamWEngine, hparams_row, keep_loaded_state  # noqa: F401 (public here too)
-from .precision import kernel_divisor
+from .precision import found_inf_flag, kernel_divisor
 
 __all__ = ["FusedAdamW", "fused_path_supported", "hparams_row"]
 
@@ -222,15 +222,27 @@ class FusedAdamW(torch.optim.Optimizer):
         total norm of their grads (float32); the clip is applied inside the next
         :meth:`step` (the ``.grad`` tensors are not modified)."""
         max_norm, norm_type = grad_norm.validate(max_norm, norm_type)
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norm, _, _ = grad_norm.total_norm(grad_norm.local_terms(grads, norm_type),
-                                          norm_type, None, 1, 0)
-        pending = self._clip if self._clip is not None and self._clip.same_grads(grads) \
-            else None  # a clip of these same grads, not applied yet: clipping twice
-        self._clip, norm = grad_norm.clip(norm, max_norm, norm_type, error_if_nonfinite,
-                                          pending, grads)
-        device = grads[0].device if grads else torch.device("cpu")
+        grads = [p.grad for p in self._params()]
+        # a clip of some of these grads still pending counts, per grad (clipping twice)
+        prior = self._clip.factors(grads) if self._clip else None
+        present = [i for i, g in enumerate(grads) if g is not None]
+        term, count = grad_norm.local_terms(
+            [grads[i] for i in present], norm_type,
+            None if prior is None else [prior[i] for i in present])
+        norm, _ = grad_norm.total_norm(term, count, norm_type, None, 1, 0)
+        self._clip = grad_norm.clip(norm, max_norm, norm_type, error_if_nonfinite, grads,
+                                    prior)
+        device = grads[present[0]].device if present else torch.device("cpu")
         return torch.tensor(norm, dtype=torch.float32, device=device)
+
+    def _params(self) -> list:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _clip_after_step(self) -> None:
+        """Clip factors stay with the grads that survive the step unchanged (see
+        grad_norm.PendingClip)."""
+        if self._clip:
+            self._clip = self._clip.after_step([p.grad for p in self._params()])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -240,11 +252,19 @@ class FusedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
-        pending, self._clip = self._clip, None
-        clip = None if pending is None else pending.factor_for(
-            [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None],
-            scaler_checked=grad_scale is not None)
-        self._engine.step(self.param_groups, self.state,
-                          grad_scale=kernel_divisor(grad_scale, clip),
-                          found_inf=getattr(self, "found_inf", None))
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and not isinstance(found_inf, Tensor):
+            # GradScaler hands over a plain number when there were no grads to check
+            if found_inf_flag(found_inf):
+                self._clip_after_step()
+                return loss
+            found_inf = None
+        pending = self._clip
+        params = self._params()
+        stepped = [i for i, p in enumerate(params) if p.grad is not None] if pending else ()
+        with grad_norm.applied(pending, params, stepped,
+                               scaler_checked=grad_scale is not None) as clip:
+            self._engine.step(self.param_groups, self.state,
+                              grad_scale=kernel_divisor(grad_scale, clip), found_inf=found_inf)
+        self._clip_after_step()
         return loss

@@ -116,3 +116,16 @@ def scale_factor(grad_scale: Optional[Tensor], clip: Optional[Tensor]) -> Option
     if clip is not None:
         f = f * clip.to(f.device, torch.float32).reshape(())
     return f
+
+
+def found_inf_flag(found_inf) -> bool:
+    """GradScaler's ``found_inf`` as a bool: a tensor (any non-zero element), or the plain
+    number torch hands over when this optimizer had no grads to check (the int 0)."""
+    if found_inf is None:
+        return False
+    if isinstance(found_inf, Tensor):
+        return bool(found_inf.ne(0).any())
+    if isinstance(found_inf, (bool, int, float)):
+        return found_inf != 0
+    raise TypeError(f"found_inf (set by GradScaler) must be a tensor or a number, got "
+                    f"{type(found_inf).__name__}")

@@ -9,6 +9,7 @@ every rank. docs/design.md describes the whole.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -25,7 +26,7 @@ from . import kernels, layout, state
 from .agree import agree, agree_on_inputs
 from .fused_adamw import FusedAdamW, fused_path_supported
 from .local_step import FusedShardStep
-from .precision import generic_precision, kernel_divisor, scale_factor
+from .precision import found_inf_flag, generic_precision, kernel_divisor, scale_factor
 from .replicas import Replicas
 from .sync import Exchanger
 
@@ -358,13 +359,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         mask = self._trainable_mask()
         mask_key = tuple(mask)  # (the exchange's plan key too: built once per step)
         mask_hash = hash(mask_key) & ((1 << 62) - 1)
-        inf = int(found_inf is not None and bool(found_inf.ne(0).any()))
+        inf, inf_error = 0, None
+        try:
+            inf = int(found_inf_flag(found_inf))
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+            inf_error = exc
         if self._replicas.overlapped or found_inf is not None:
             # Buckets sent from inside the local step (overlapped) must be laid out alike
             # before anything is sent, and GradScaler's verdict must be known before
             # anything is stepped: agree on both first. Otherwise the step's one agreement
             # (below, before the exchange) catches ranks that froze different params.
-            top, bottom, inf = agree(self.process_group, self.world_size, None,
+            top, bottom, inf = agree(self.process_group, self.world_size, inf_error,
                                      "ZeroRedundancyOptimizer.step",
                                      (mask_hash, -mask_hash, inf))
             self._check_same_mask(top, bottom)
@@ -375,7 +380,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self.plan.rebuild_buckets()
                 self._layout_changed(fresh_buffers=True)
         if inf:  # an inf/NaN grad on some rank: no rank steps (GradScaler backs off)
-            self._clip = None
+            self._clip_after_step()
             if closure is not None:
                 with torch.enable_grad():
                     return closure()
@@ -400,9 +405,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     if closure is not None:
                         with torch.enable_grad():
                             loss = closure()
-                    clip = self._take_clip(grad_scale)  # after the closure: it may clip
-                    self._fused_step().run(after_chunk=sends.send if sends else None,
-                                           grad_scale=kernel_divisor(grad_scale, clip))
+                    with self._clip_applied(grad_scale) as clip:  # after the closure: it may clip
+                        self._fused_step().run(after_chunk=sends.send if sends else None,
+                                               grad_scale=kernel_divisor(grad_scale, clip))
                 else:
                     loss = self._generic_step(closure, grad_scale, **kwargs)
             except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
@@ -465,46 +470,51 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if closure is not None:  # evaluated once, before the grads are read
             with torch.enable_grad():
                 loss = closure()
-        factor = scale_factor(grad_scale, self._take_clip(grad_scale))
-        flat = self.sharding == layout.FLAT
-        if flat:
-            self._attach_shard_grads()
-        try:
-            if own_masters and factor is not None:
-                self.optim.grad_scale = factor.reciprocal().reshape(1)
-            with generic_precision([lp.key for lp in self.plan.local], self.optim.state,
-                                   masters, None if own_masters else factor):
-                self.optim.step(**kwargs)
-        finally:
-            self.optim.__dict__.pop("grad_scale", None)
+        with self._clip_applied(grad_scale) as clip:
+            factor = scale_factor(grad_scale, clip)
+            flat = self.sharding == layout.FLAT
             if flat:
-                self._detach_shard_grads()
+                self._attach_shard_grads()
+            try:
+                if own_masters and factor is not None:
+                    self.optim.grad_scale = factor.reciprocal().reshape(1)
+                with generic_precision([lp.key for lp in self.plan.local], self.optim.state,
+                                       masters, None if own_masters else factor):
+                    self.optim.step(**kwargs)
+            finally:
+                self.optim.__dict__.pop("grad_scale", None)
+                if flat:
+                    self._detach_shard_grads()
         return loss
 
-    def _local_grads(self) -> list[torch.Tensor]:
-        """The grads of the params this rank owns elements of (what a clip was computed
-        from, and what the step reads)."""
-        out = []
-        for lp in self.plan.local:
-            g = self._all_params[lp.param_id].grad
-            if g is not None:
-                out.append(g)
-        return out
+    def _stepped_ids(self) -> list[int]:
+        """Indices (in _all_params) of the params whose grads this rank's step reads."""
+        params = self._all_params
+        return sorted({lp.param_id for lp in self.plan.local
+                       if params[lp.param_id].grad is not None})
 
-    def _take_clip(self, grad_scale: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The pending clip factor for this step, then cleared (grad_norm.PendingClip
-        .factor_for: None if the grads were replaced since, an error if changed in place)."""
-        pending, self._clip = self._clip, None
-        return None if pending is None else pending.factor_for(
-            self._local_grads(), scaler_checked=grad_scale is not None)
+    @contextlib.contextmanager
+    def _clip_applied(self, grad_scale: torch.Tensor | None = None):
+        """Apply the clip factors to this step (grad_norm.applied): yields the factor for
+        every grad the step reads, or None when there is none or the clipped grads were
+        swapped for scaled copies; raises if clipped grads changed in place. Afterwards the
+        factors stay with the grads that survive the step unchanged (PendingClip)."""
+        pending = self._clip
+        with grad_norm.applied(pending, self._all_params,
+                               self._stepped_ids() if pending else (),
+                               scaler_checked=grad_scale is not None) as factor:
+            yield factor
+        self._clip_after_step()
+
+    def _clip_after_step(self) -> None:
+        if self._clip:
+            self._clip = self._clip.after_step([p.grad for p in self._all_params])
 
     def _apply_clip_in_place(self) -> None:
         """A clip pending after the closure (the generic path that hands the closure to the
-        local optimizer): scale this rank's grads in place, as torch's clip does."""
-        factor = self._take_clip()
-        grads = self._local_grads() if factor is not None else []
-        if grads:
-            torch._foreach_mul_(grads, factor.to(grads[0].device))
+        local optimizer): scale this rank's clipped grads in place, as torch's clip does."""
+        pending, self._clip = self._clip, None  # the grads now hold the clipped values
+        grad_norm.scale_in_place(pending, self._all_params, self._stepped_ids())
 
     def _attach_shard_grads(self) -> None:
         """Flat mode, generic path: each run's grad is a view of its piece of p.grad
@@ -531,9 +541,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Collective ``torch.nn.utils.clip_grad_norm_`` over all params of the optimizer.
 
         Returns the total norm of their grads (float32, the same value on every rank, also
-        inf or NaN), computed from the grad elements this rank owns plus one all-reduce of
-        one number per rank. The clip is applied inside the next :meth:`step` (the
-        ``.grad`` tensors keep their values); :meth:`zero_grad` drops it.
+        inf or NaN), computed from the grad elements this rank owns plus one small
+        all-reduce (two numbers per rank). The clip is applied, per grad, by the step that
+        reads it (the ``.grad`` tensors keep their values; see grad_norm.PendingClip for
+        what happens when the grads or the layout change in between); :meth:`zero_grad`
+        drops it. ``norm_type`` is any non-zero p, ``inf`` or ``-inf`` (or their strings).
         """
         max_norm, norm_type = grad_norm.validate(max_norm, norm_type)
         if self._join_config.enable:
@@ -541,34 +553,33 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "clip_grad_norm_ inside a Join context is not supported: a rank that has "
                 "joined cannot take part in its all-reduce. Use "
                 "torch.nn.utils.clip_grad_norm_ there (every rank clips all grads)")
-        error, term, grads = None, 0.0, []
+        error, term, count, grads, prior = None, 0.0, 0, [], None
         try:
-            pieces, grads = [], []
+            grads = [p.grad for p in self._all_params]
+            # A clip still pending for some of these grads counts (clipping twice, as in
+            # torch, whose second norm is of the clipped grads): per grad, by param.
+            prior = self._clip.factors(grads) if self._clip else None
+            pieces, scales = [], []
             for lp in self.plan.local:
-                g = self._all_params[lp.param_id].grad
+                g = grads[lp.param_id]
                 if g is None:
                     continue
-                grads.append(g)
                 if g.is_sparse:
                     raise RuntimeError("clip_grad_norm_ does not support sparse gradients")
                 pieces.append(g if lp.start == 0 and lp.length == g.numel()
                               else g.reshape(-1)[lp.start:lp.start + lp.length])
-            term = grad_norm.local_terms(pieces, norm_type)
+                scales.append(None if prior is None else prior[lp.param_id])
+            term, count = grad_norm.local_terms(pieces, norm_type, scales)
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            error, term = exc, float("nan")
-        # A clip still pending for these same grads counts (clipping twice, as in torch);
-        # whether it does is decided with the norm, so that every rank decides alike.
-        stale = self._clip is not None and not self._clip.same_grads(grads)
-        norm, failed, stale = grad_norm.total_norm(term, norm_type, self.process_group,
-                                                   self.world_size, self.rank,
-                                                   error is not None, stale)
+            error, term, count = exc, float("nan"), 0
+        norm, failed = grad_norm.total_norm(term, count, norm_type, self.process_group,
+                                            self.world_size, self.rank, error is not None)
         if error is not None:
             raise error
         if failed:
             raise RuntimeError("clip_grad_norm_: another rank failed to compute its part of "
                                "the norm; every rank stops here")
-        self._clip, norm = grad_norm.clip(norm, max_norm, norm_type, error_if_nonfinite,
-                                          None if stale else self._clip, grads)
+        self._clip = grad_norm.clip(norm, max_norm, norm_type, error_if_nonfinite, grads, prior)
         return torch.tensor(norm, dtype=torch.float32, device=self.join_device)
 
     # ------------------------------------------------------------------ join

@@ -1,0 +1,479 @@
+"""Where two features meet: a pending clip and a layout change, state tensors replaced by the
+user, unusual norm types, GradScaler on a rank without grads.
+
+Each scenario runs the ZeRO optimizer next to a plain single-process torch optimizer fed the
+same grads (clipped with torch.nn.utils.clip_grad_norm_ over the params the optimizer held
+at the time of the clip), on gloo worlds of 1-3 ranks, and compares the params after every
+step (fp32: atol = rtol = 1e-6) and across ranks (bitwise).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from _dist import (WORLD_SIZES, Scenarios, assert_params_close, assert_same_on_every_rank,
+                   assert_raised, detached, gloo_available, make_params)
+
+pytestmark = pytest.mark.skipif(not gloo_available(), reason="needs torch.distributed with gloo")
+
+SC = Scenarios(__name__)
+AdamW, SGD = torch.optim.AdamW, torch.optim.SGD
+SHAPES = [(16, 8), (16,), (8, 16), (8,), (33,), (4, 4, 3), (1,), (64,), (7, 5), (2,)]
+TOL = dict(atol=1e-6, rtol=1e-6)
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
+def world(request):
+    return SC.run(request.param)
+
+
+def _zero(params, cls, pg, **kw):
+    from zero_ext import ZeroRedundancyOptimizer
+    return ZeroRedundancyOptimizer(params, cls, process_group=pg, **kw)
+
+
+def _grads(params, step, seed=0, only=None):
+    """Seeded grads (the same on every rank) for the params that require grad."""
+    for i, p in enumerate(params):
+        if not p.requires_grad or (only is not None and i not in only):
+            continue
+        g = torch.Generator().manual_seed(seed * 7919 + step * 1009 + i)
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def _twins(seed):
+    pz = make_params(SHAPES, seed=seed)
+    pr = [p.detach().clone().requires_grad_() for p in pz]
+    return pz, pr
+
+
+def _copy_grads(pr, pz):
+    for r, z in zip(pr, pz):
+        r.grad = None if z.grad is None else z.grad.clone()
+
+
+def _out(pz, pr, **extra):
+    return {"zero": detached(pz), "ref": detached(pr), **extra}
+
+
+def _check(vals):
+    for r, v in enumerate(vals):
+        assert_params_close(v["zero"], v["ref"], what=f"rank {r} param", **TOL)
+    assert_same_on_every_rank([v["zero"] for v in vals])
+
+
+MODES = {"param_bv": dict(sharding="param", parameters_as_bucket_view=True),
+         "param": dict(sharding="param"),
+         "flat": dict(sharding="flat"),
+         "flat_bv": dict(sharding="flat", parameters_as_bucket_view=True)}
+CLASSES = {"sgd": (SGD, dict(lr=0.05, momentum=0.9)),
+           "adamw": (AdamW, dict(lr=1e-2, weight_decay=0.1))}
+
+
+# ------------------------------------------------------------------ a clip, then a new layout
+
+def _unfreeze_between_clip_and_step(ctx, cls_name, mode, stale):
+    """Fine-tuning: the backbone (every other param) is frozen; clip, then unfreeze it, then
+    step. With bucket views in "param" mode the unfreeze rebuilds the buckets in the step, so
+    this rank's list of owned grads changes order between the clip and the step."""
+    cls, hp = CLASSES[cls_name]
+    pz, pr = _twins(seed=21)
+    backbone = list(range(0, len(SHAPES), 2))
+    for ps in (pz, pr):
+        for i in backbone:
+            ps[i].requires_grad_(False)
+    opt = _zero(pz, cls, ctx.pg, **MODES[mode], **hp)
+    ref = cls(pr, **hp)
+    for s in range(4):
+        opt.zero_grad()
+        ref.zero_grad()
+        _grads(pz, s)
+        if stale and s == 1:  # frozen params holding grads from before they were frozen
+            for i in backbone:
+                pz[i].grad = torch.full_like(pz[i], 0.5)
+        _copy_grads(pr, pz)
+        norm = float(opt.clip_grad_norm_(0.5))
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(pr, 0.5))
+        assert math.isclose(norm, ref_norm, rel_tol=1e-6), (norm, ref_norm)
+        if s == 1:  # the "unfreeze the backbone" moment, between the clip and the step
+            for ps in (pz, pr):
+                for i in backbone:
+                    ps[i].requires_grad_(True)
+        opt.step()
+        ref.step()
+    return _out(pz, pr)
+
+
+for _cls in CLASSES:
+    for _mode in MODES:
+        for _stale in (False, True):
+            def _make(cls_name, mode, stale):
+                def scenario(ctx):
+                    return _unfreeze_between_clip_and_step(ctx, cls_name, mode, stale)
+                scenario.__name__ = scenario.__qualname__ = (
+                    f"unfreeze_after_clip_{cls_name}_{mode}" + ("_stale" if stale else ""))
+                return scenario
+            _fn = _make(_cls, _mode, _stale)
+            globals()[_fn.__name__] = SC.scenario()(_fn)
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["no_grad", "stale_grad"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("cls_name", list(CLASSES))
+def test_unfreezing_between_clip_and_step_keeps_the_clip(world, cls_name, mode, stale):
+    name = f"unfreeze_after_clip_{cls_name}_{mode}" + ("_stale" if stale else "")
+    _check(world.values(name))
+
+
+def _add_group_between_clip_and_step(ctx, cls_name, mode, first_step):
+    """clip over the params the optimizer has, add_param_group (params that hold grads of
+    their own, never clipped), step: the clip applies to exactly the clipped grads. With
+    `first_step` the group is added before any state exists (a fresh partition of all
+    params); else after a step (the new params are placed on top)."""
+    cls, hp = CLASSES[cls_name]
+    pz, pr = _twins(seed=22)
+    head = list(range(7))  # then a group of params 7 and 8, later one of param 9
+    opt = _zero([pz[i] for i in head], cls, ctx.pg, **MODES[mode], **hp)
+    ref = cls([pr[i] for i in head], **hp)
+    s = 0
+    if not first_step:
+        _grads(pz, s, only=head)
+        _copy_grads(pr, pz)
+        opt.step()
+        ref.step()
+        s += 1
+    _grads(pz, s)  # every param has a grad, also those not in the optimizer yet
+    _copy_grads(pr, pz)
+    norm = float(opt.clip_grad_norm_(0.5))
+    ref_norm = float(torch.nn.utils.clip_grad_norm_([pr[i] for i in head], 0.5))
+    assert math.isclose(norm, ref_norm, rel_tol=1e-6), (norm, ref_norm)
+    opt.add_param_group({"params": pz[7:9], "lr": hp["lr"] / 2})
+    ref.add_param_group({"params": pr[7:9], "lr": hp["lr"] / 2})
+    opt.step()
+    ref.step()
+    # a second clip covering every group, with a pending one over the earlier groups only:
+    # torch's norm is of (clipped old grads, unclipped new ones)
+    _grads(pz, s + 1)
+    _copy_grads(pr, pz)
+    opt.clip_grad_norm_(0.8)
+    torch.nn.utils.clip_grad_norm_(pr[:9], 0.8)
+    opt.add_param_group({"params": pz[9:], "lr": 1e-3})
+    ref.add_param_group({"params": pr[9:], "lr": 1e-3})
+    norm = float(opt.clip_grad_norm_(0.3))
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(pr, 0.3))
+    assert math.isclose(norm, ref_norm, rel_tol=1e-6), (norm, ref_norm)
+    opt.step()
+    ref.step()
+    return _out(pz, pr)
+
+
+for _cls in CLASSES:
+    for _mode in ("param", "param_bv", "flat"):
+        for _first in (False, True):
+            def _make(cls_name, mode, first):
+                def scenario(ctx):
+                    return _add_group_between_clip_and_step(ctx, cls_name, mode, first)
+                scenario.__name__ = scenario.__qualname__ = (
+                    f"add_group_after_clip_{cls_name}_{mode}" + ("_first" if first else ""))
+                return scenario
+            _fn = _make(_cls, _mode, _first)
+            globals()[_fn.__name__] = SC.scenario()(_fn)
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["after_a_step", "before_any_state"])
+@pytest.mark.parametrize("mode", ["param", "param_bv", "flat"])
+@pytest.mark.parametrize("cls_name", list(CLASSES))
+def test_add_param_group_between_clip_and_step(world, cls_name, mode, first):
+    name = f"add_group_after_clip_{cls_name}_{mode}" + ("_first" if first else "")
+    _check(world.values(name))
+
+
+@SC.scenario()
+def clip_then_accumulate_then_clip(ctx):
+    """A clip that scaled the grads, a backward accumulating into them, a second clip: torch
+    would take the norm of (clipped old part + new part), which cannot be rebuilt: every rank
+    raises. A clip that did not scale (max_norm above the norm: logging the norm) leaves
+    nothing pending, so the same sequence is fine."""
+    pz, pr = _twins(seed=23)
+    opt = _zero(pz, SGD, ctx.pg, sharding="flat", lr=0.05)
+    ref = SGD(pr, lr=0.05)
+    _grads(pz, 0)
+    _copy_grads(pr, pz)
+    opt.clip_grad_norm_(1e9)  # no clip: logs the norm
+    torch.nn.utils.clip_grad_norm_(pr, 1e9)
+    for i, p in enumerate(pz):  # a second backward accumulates into both
+        g = torch.Generator().manual_seed(100 + i)
+        extra = torch.randn(p.shape, generator=g)
+        p.grad.add_(extra)
+        pr[i].grad.add_(extra)
+    norm = float(opt.clip_grad_norm_(0.4))
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(pr, 0.4))
+    opt.step()
+    ref.step()
+    opt.zero_grad()
+    _grads(pz, 2)
+    opt.clip_grad_norm_(0.01)
+    for p in pz:
+        p.grad.add_(p.grad)
+    try:
+        opt.clip_grad_norm_(0.5)
+        raised = None
+    except RuntimeError as exc:
+        raised = str(exc)
+    return _out(pz, pr, norms=(norm, ref_norm), raised=raised)
+
+
+def test_a_second_clip_after_accumulating_into_clipped_grads_raises(world):
+    vals = world.values("clip_then_accumulate_then_clip")
+    _check(vals)
+    for v in vals:
+        assert math.isclose(*v["norms"], rel_tol=1e-6), v["norms"]
+        assert v["raised"] is not None and "in place" in v["raised"], v["raised"]
+
+
+# ------------------------------------------------------------------ state replaced by the user
+
+def _replace_state(st_of, params, how):
+    """What a script does after a loss spike: new moment tensors (or a new step)."""
+    for p in params:
+        st = st_of(p)
+        if not st:
+            continue
+        if how == "zeros":
+            st["exp_avg"] = torch.zeros_like(st["exp_avg"])
+        elif how == "scaled":
+            st["exp_avg_sq"] = st["exp_avg_sq"] * 0.25
+            if "max_exp_avg_sq" in st:
+                st["max_exp_avg_sq"] = st["max_exp_avg_sq"] * 0.25
+        elif how == "step":
+            st["step"] = torch.tensor(float(st["step"]) - 1.0)
+
+
+def _local_state(opt):
+    """opt.optim.state keyed by the local optimizer's keys (views in "flat" mode)."""
+    keys = [k for g in opt.optim.param_groups for k in g["params"]]
+    return keys, opt.optim.state.get
+
+
+def _replaced_state_run(ctx, mode, how, amsgrad):
+    pz, pr = _twins(seed=24)
+    hp = dict(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    opt = _zero(pz, AdamW, ctx.pg, **MODES[mode], **hp)
+    ref = AdamW(pr, **hp)
+    for s in range(5):
+        _grads(pz, s)
+        _copy_grads(pr, pz)
+        if s in (2, 3):
+            keys, get = _local_state(opt)
+            _replace_state(get, keys, how)
+            _replace_state(ref.state.get, pr, how)
+        opt.step()
+        ref.step()
+    return _out(pz, pr)
+
+
+for _mode in ("param", "flat", "param_bv"):
+    for _how in ("zeros", "scaled", "step"):
+        def _make(mode, how):
+            def scenario(ctx):
+                return _replaced_state_run(ctx, mode, how, amsgrad=(how == "scaled"))
+            scenario.__name__ = scenario.__qualname__ = f"replaced_state_{mode}_{how}"
+            return scenario
+        _fn = _make(_mode, _how)
+        globals()[_fn.__name__] = SC.scenario()(_fn)
+
+
+@pytest.mark.parametrize("how", ["zeros", "scaled", "step"])
+@pytest.mark.parametrize("mode", ["param", "flat", "param_bv"])
+def test_state_tensors_replaced_by_the_user_are_stepped(world, mode, how):
+    _check(world.values(f"replaced_state_{mode}_{how}"))
+
+
+@pytest.mark.parametrize("how", ["zeros", "scaled", "step"])
+def test_fused_adamw_steps_state_tensors_replaced_by_the_user(how):
+    from zero_ext import FusedAdamW
+    pz, pr = _twins(seed=25)
+    hp = dict(lr=1e-2, weight_decay=0.1, amsgrad=(how == "scaled"))
+    opt, ref = FusedAdamW(pz, **hp), AdamW(pr, **hp)
+    for s in range(5):
+        _grads(pz, s)
+        _copy_grads(pr, pz)
+        if s in (2, 3):
+            _replace_state(opt.state.get, pz, how)
+            _replace_state(ref.state.get, pr, how)
+        opt.step()
+        ref.step()
+    assert_params_close(detached(pz), detached(pr), **TOL)
+    # the state dict holds what the step used
+    sd, rsd = opt.state_dict(), ref.state_dict()
+    for i in rsd["state"]:
+        for k, v in rsd["state"][i].items():
+            torch.testing.assert_close(sd["state"][i][k], v, **TOL)
+
+
+# ------------------------------------------------------------------ norm types
+
+@SC.scenario()
+def clip_negative_norm_types(ctx):
+    out = {}
+    for mode in ("param", "flat"):
+        pz, pr = _twins(seed=26)
+        opt = _zero(pz, SGD, ctx.pg, sharding=mode, lr=0.1)
+        ref = SGD(pr, lr=0.1)
+        for k, nt in enumerate((-math.inf, -1.0, -2.0, "-inf", "inf")):
+            _grads(pz, k)
+            _copy_grads(pr, pz)
+            norm = float(opt.clip_grad_norm_(0.05, norm_type=nt))
+            ref_norm = float(torch.nn.utils.clip_grad_norm_(pr, 0.05, norm_type=nt))
+            out[(mode, str(nt))] = (norm, ref_norm)
+            opt.step()
+            ref.step()
+        out[mode] = _out(pz, pr)
+    return out
+
+
+def test_negative_norm_types_match_torch(world):
+    vals = world.values("clip_negative_norm_types")
+    for mode in ("param", "flat"):
+        _check([v[mode] for v in vals])
+    for v in vals:
+        for key, (ours, theirs) in v.items():
+            if isinstance(key, tuple):
+                assert math.isclose(ours, theirs, rel_tol=1e-6), (key, ours, theirs)
+
+
+@pytest.mark.parametrize("norm_type", ["fro", "nuc", None, object()])
+def test_norm_type_errors_match_torch(norm_type):
+    from zero_ext import FusedAdamW
+    ps = make_params([(3,)])
+    ps[0].grad = torch.ones(3)
+    with pytest.raises(Exception) as theirs:
+        torch.nn.utils.clip_grad_norm_(ps, 1.0, norm_type=norm_type)
+    with pytest.raises(type(theirs.value)) as ours:
+        FusedAdamW(ps).clip_grad_norm_(1.0, norm_type=norm_type)
+    assert "norm_type" in str(ours.value)
+
+
+def test_norm_type_zero_is_refused_clearly():
+    from zero_ext import FusedAdamW
+    ps = make_params([(3,)])
+    ps[0].grad = torch.ones(3)
+    with pytest.raises(ValueError, match="norm_type=0"):
+        FusedAdamW(ps).clip_grad_norm_(1.0, norm_type=0)
+
+
+# ------------------------------------------------------------------ GradScaler, no grads here
+
+@SC.scenario(min_world=2)
+def scaler_with_no_grads_on_one_rank(ctx):
+    """Without DDP a rank can reach scaler.step with no grads at all: torch's GradScaler
+    then hands the optimizer found_inf as the int 0. Every rank must step (no hang, no
+    AttributeError on one rank), and the params stay identical on every rank."""
+    out = {}
+    for mode in ("param", "flat_bv"):
+        pz = make_params(SHAPES, seed=27)
+        opt = _zero(pz, AdamW, ctx.pg, **MODES[mode], lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        scaler.scale(torch.ones(()))
+        # one step: on the rank without grads torch's update() asserts (nothing checked),
+        # and a second scaler.step without it raises
+        if ctx.rank == ctx.world_size - 1:
+            for p in pz:
+                p.grad = None
+        else:
+            _grads(pz, 0)
+        scaler.step(opt)
+        out[mode] = detached(pz)
+    return out
+
+
+def test_grad_scaler_with_no_grads_on_one_rank(world):
+    if world.world_size < 2:
+        pytest.skip("needs 2+ ranks")
+    vals = world.values("scaler_with_no_grads_on_one_rank")
+    for mode in vals[0]:
+        assert_same_on_every_rank([v[mode] for v in vals])
+
+
+def test_fused_adamw_grad_scaler_with_no_grads():
+    from zero_ext import FusedAdamW
+    pz = make_params(SHAPES[:3], seed=28)
+    opt = FusedAdamW(pz, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler.scale(torch.ones(()))
+    before = detached(pz)
+    scaler.step(opt)  # no grads anywhere: found_inf arrives as the int 0
+    assert_params_close(detached(pz), before, atol=0, rtol=0)
+
+
+@SC.scenario(min_world=2)
+def bad_found_inf_raises_everywhere(ctx):
+    """A found_inf that cannot be read (not a number or tensor) on one rank is an error on
+    every rank, not a hang."""
+    pz = make_params(SHAPES, seed=29)
+    opt = _zero(pz, AdamW, ctx.pg, lr=1e-2)
+    _grads(pz, 0)
+    opt.found_inf = object() if ctx.rank == 0 else torch.zeros(1)
+    try:
+        opt.step()
+    finally:
+        del opt.found_inf
+
+
+def test_unreadable_found_inf_raises_on_every_rank(world):
+    if world.world_size < 2:
+        pytest.skip("needs 2+ ranks")
+    outs = world.outcomes("bad_found_inf_raises_everywhere")
+    assert_raised(outs[0], TypeError, "found_inf")
+    for o in outs[1:]:
+        assert_raised(o, RuntimeError, "rank 0")
+
+
+# ------------------------------------------------------------------ clipped grads that survive
+
+def _surviving_clip_run(opt, ref, pz, pr):
+    """clip, step, step again on the same grads (nothing zeroed them: torch's in-place clip
+    left them clipped), then zero them in place and accumulate new ones (a new grad)."""
+    _grads(pz, 0)
+    _copy_grads(pr, pz)
+    opt.clip_grad_norm_(0.3)
+    torch.nn.utils.clip_grad_norm_(pr, 0.3)
+    for _ in range(2):
+        opt.step()
+        ref.step()
+    for k, (z, r) in enumerate(zip(pz, pr)):
+        g = torch.Generator().manual_seed(500 + k)
+        new = torch.randn(z.shape, generator=g)
+        for p in (z, r):
+            p.grad.zero_()
+            p.grad.add_(new)
+    opt.step()
+    ref.step()
+
+
+@SC.scenario()
+def clipped_grads_surviving_a_step(ctx):
+    out = {}
+    for mode in ("param", "flat_bv"):
+        pz, pr = _twins(seed=30)
+        hp = dict(lr=0.05, momentum=0.9)
+        opt, ref = _zero(pz, SGD, ctx.pg, **MODES[mode], **hp), SGD(pr, **hp)
+        _surviving_clip_run(opt, ref, pz, pr)
+        out[mode] = _out(pz, pr)
+    return out
+
+
+def test_a_clipped_grad_that_survives_a_step_stays_clipped(world):
+    vals = world.values("clipped_grads_surviving_a_step")
+    for mode in vals[0]:
+        _check([v[mode] for v in vals])
+
+
+def test_fused_adamw_clipped_grad_that_survives_a_step_stays_clipped():
+    from zero_ext import FusedAdamW
+    pz, pr = _twins(seed=31)
+    opt, ref = FusedAdamW(pz, lr=1e-2), AdamW(pr, lr=1e-2)
+    _surviving_clip_run(opt, ref, pz, pr)
+    assert_params_close(detached(pz), detached(pr), **TOL)

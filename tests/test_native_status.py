@@ -41,7 +41,8 @@ def test_every_op_of_the_library_is_reported():
 def test_status_matches_the_dispatcher():
     st = zero_ext.native_status()
     if os.environ.get("ZERO_EXT_REFERENCE", "0") == "1":
-        assert not st["native"] and st["error"]
+        # chosen by the user, or set by conftest.py after a failed build (then "failed")
+        assert not st["native"] and st["state"] in ("reference chosen", "failed"), st
         return
     assert st["native"] and st["error"] is None and st["library"]
     for op, devs in st["ops"].items():
@@ -59,12 +60,14 @@ def test_import_builds_nothing_and_reference_mode_is_reported(tmp_path):
         # defaults); importing builds and loads no native kernel
         assert hasattr(torch.ops.zero_ext, "flatten_into")
         assert not has("zero_ext::flatten_into", "CPU"), "native library loaded at import"
-        st = zero_ext.native_status(load=False)
-        assert not st["native"] and "not loaded yet" in str(st), st
-        st = zero_ext.native_status()
-        print(st)
-        assert not st["native"]
-        assert st["ops"]["flatten_into"]["cpu"] == "reference: ZERO_EXT_REFERENCE=1", st
+        for load in (False, None, True):
+            st = zero_ext.native_status(load=load)
+            print(st)
+            assert not st["native"] and st["state"] == "reference chosen", st
+            assert st["error"] is None, st  # a choice, not a failure
+            assert "ZERO_EXT_REFERENCE=1 chose the pure-PyTorch references" in str(st), st
+            assert "NOT loaded" not in str(st) and "Error" not in str(st), st
+            assert st["ops"]["flatten_into"]["cpu"] == "reference: chosen by ZERO_EXT_REFERENCE=1"
         assert not has("zero_ext::fused_adamw_", "CPU"), "library loaded under REFERENCE=1"
         out = torch.ops.zero_ext.flat_offsets(torch.tensor([3, 5]), 2, 4)  # the default kernel
         assert out.tolist() == [0, 4, 16], out
@@ -74,11 +77,21 @@ def test_import_builds_nothing_and_reference_mode_is_reported(tmp_path):
 
 def test_no_compiler_is_reported_and_fatal_when_required(tmp_path):
     code = """
+        import os, warnings
         import zero_ext
-        st = zero_ext.native_status()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the report itself attempts nothing, warns nothing
+            st = zero_ext.native_status()
         print(st)
         assert not st["native"] and "no C++ compiler" in st["ops"]["fused_adamw_"]["cpu"], st
+        assert st["state"] == "cannot build", st
+        if os.environ.get("ZERO_EXT_REQUIRE_NATIVE") == "1":
+            assert "raises an error (ZERO_EXT_REQUIRE_NATIVE=1)" in str(st), st
+        else:
+            assert "runs the pure-PyTorch references" in str(st), st
         zero_ext.load_native()
+        st = zero_ext.native_status()
+        assert st["state"] == "failed" and "no C++ compiler" in st["error"], st
     """
     env = dict(CXX="/nonexistent/c++", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
                ZERO_EXT_JIT_NAME="zero_ext_no_compiler_test")
@@ -101,7 +114,8 @@ def test_broken_source_fails_with_the_compiler_error(tmp_path):
         from zero_ext import _build_config
         _build_config.CSRC = {str(csrc)!r}
         import zero_ext
-        print(zero_ext.native_status()["ops"]["flatten_into"]["cpu"])  # reports, never raises
+        # load=True builds (the old default) and reports the failure, never raises
+        print(zero_ext.native_status(load=True)["ops"]["flatten_into"]["cpu"])
         zero_ext.load_native()
     """, tmp_path, ZERO_EXT_REQUIRE_NATIVE="1", ZERO_EXT_JIT_SOURCES="partition.cpp",
         ZERO_EXT_JIT_NAME="zero_ext_broken_test", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
@@ -110,6 +124,84 @@ def test_broken_source_fails_with_the_compiler_error(tmp_path):
     assert "deliberately broken" in out.stderr
     assert "ZERO_EXT_REQUIRE_NATIVE=1" in out.stderr
     assert "native build failed: " in out.stdout and "error: #error zero_ext deliberately" in out.stdout
+
+
+FAKE_CXX = """#!/bin/sh
+# a C++ compiler that answers --version and records any other call (a build) in $MARKER
+if [ "$1" = "--version" ]; then echo "fake-c++ 9.9"; exit 0; fi
+echo "$@" >> "$MARKER"
+exit 1
+"""
+
+
+@pytest.mark.parametrize("require", ["0", "1"])
+def test_status_on_an_empty_cache_builds_nothing_and_says_what_the_first_use_will(
+        tmp_path, require):
+    """With nothing built, native_status() (the default, and load=False) returns at once and
+    says what the first use will do: build the CPU ops, with which compiler, into which
+    directory, about how long. The old native_status() built them then and there (about a
+    minute; here the fake compiler would have been called and the marker file written)."""
+    cxx = tmp_path / "fake-c++"
+    cxx.write_text(FAKE_CXX)
+    cxx.chmod(0o755)
+    ext = tmp_path / "ext"
+    marker = tmp_path / "compiler-called"
+    out = _child("""
+        import os, time, warnings
+        import zero_ext
+        from zero_ext.kernels import _loader
+        for load in (None, False):
+            t0 = time.monotonic()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                st = zero_ext.native_status() if load is None else zero_ext.native_status(load=load)
+            dt = time.monotonic() - t0
+            print(st)
+            print(f"native_status(load={load}) took {dt:.2f} s")
+            assert dt < 10, dt
+            assert not st["native"] and st["state"] == "not built", st
+            assert not _loader._state["tried"], "the report used up the first use's attempt"
+            text = " ".join(str(st).split())  # unwrapped
+            assert "not built yet" in text and "zero_ext.load_native()" in text, text
+            assert "builds the CPU ops" in text and "about 1-3 minutes" in text, text
+            assert "fake-c++ 9.9" in text, text  # the compiler a build would use
+            assert st["build_dir"].startswith(os.environ["TORCH_EXTENSIONS_DIR"]), st
+            assert st["build_dir"] in text, text
+            assert ("a failed build raises an error" in text) == (
+                os.environ["ZERO_EXT_REQUIRE_NATIVE"] == "1"), text
+            assert st["ops"]["fused_adamw_"]["cpu"] == (
+                "reference: not built yet (the first use builds it)"), st
+        assert not os.path.exists(os.environ["TORCH_EXTENSIONS_DIR"]), "a build was started"
+    """, tmp_path, CXX=str(cxx), MARKER=str(marker), TORCH_EXTENSIONS_DIR=str(ext),
+        ZERO_EXT_BUILD_CUDA="0", ZERO_EXT_REQUIRE_NATIVE=require)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert not marker.exists(), "the compiler was called: " + marker.read_text()
+    assert "zero_ext: building" not in out.stderr, out.stderr
+
+
+def test_status_loads_a_cached_build_without_building(tmp_path):
+    """A JIT build cached for the current sources (the one conftest.py made) is loaded by
+    native_status() and reported as loaded; with load=False it is reported, not loaded."""
+    if not _loader._state["native"] or not str(_loader._state["library"]).endswith(".so"):
+        pytest.skip("no JIT build of the native ops in this session")
+    out = _child("""
+        import time
+        import zero_ext
+        from zero_ext.kernels import _loader
+        st = zero_ext.native_status(load=False)
+        print(st)
+        assert st["state"] == "not loaded" and not _loader._state["tried"], st
+        assert "first use" in str(st) and st["library"] in " ".join(str(st).split()), st
+        t0 = time.monotonic()
+        st = zero_ext.native_status()
+        dt = time.monotonic() - t0
+        print(st)
+        assert st["native"] and st["state"] == "loaded", st
+        assert st["ops"]["fused_adamw_"]["cpu"] == "native", st
+        assert dt < 10, dt
+    """, tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "zero_ext: building" not in out.stderr, out.stderr
 
 
 def _kwargs(root, cflags=("-O3",)):

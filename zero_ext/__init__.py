@@ -4,12 +4,17 @@ __all__ = ["ZeroRedundancyOptimizer", "FusedAdamW", "native_status", "load_nativ
 __version__ = "0.1.0"
 
 
-def native_status(load: bool = True):
+def native_status(load=None):
     """Which ops (torch.ops.zero_ext.*) run compiled code on CPU / CUDA, and why not where they
-    don't (no compiler, build failed, ZERO_EXT_REFERENCE=1, no CUDA in this build, ...).
+    don't (no compiler, build failed, ZERO_EXT_REFERENCE=1, no CUDA in this build, ...); before
+    the first use, what that first use will do. Returns a dict that prints as a report.
 
-    Returns a dict that prints as a table. With load=True (default) it first loads the native
-    ops (building them on the very first use: about a minute); load=False only reports."""
+    It builds nothing by default (load=None): it loads the native ops if they are already built
+    (setup.py's zero_ext._C, or a JIT build cached for the current sources: well under a
+    second); otherwise it says that the first use or zero_ext.load_native() will build them
+    (with which compiler, into which directory, about how long), or that no compiler was found
+    and the references will run. load=True loads them now, building if needed (minutes on an
+    empty cache), and never raises; load=False only reports, loading nothing."""
     from .kernels._loader import native_status as _status
 
     return _status(load)

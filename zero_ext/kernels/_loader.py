@@ -13,9 +13,12 @@ with ZERO_EXT_REQUIRE_NATIVE=1 (CI) a failed build raises instead, with the comp
 ZERO_EXT_BUILD_CUDA=1/0 forces the CUDA sources in or out of the JIT build (default: in when a
 GPU is visible).
 
-The native kernels load lazily, on first use (constructing an optimizer, calling a kernel wrapper) or on
-zero_ext.native_status() / zero_ext.load_native(): `import zero_ext` alone builds nothing, so
-ZERO_EXT_REFERENCE=1 set after the import still takes effect.
+The native kernels load lazily, on first use (constructing an optimizer, calling a kernel
+wrapper) or on zero_ext.load_native(): `import zero_ext` alone builds nothing, so
+ZERO_EXT_REFERENCE=1 set after the import still takes effect. zero_ext.native_status() builds
+nothing either: it loads a build that already exists (setup.py's, or a JIT build cached for the
+current sources), else it says what the first use would do (build where, with which compiler,
+about how long; or run the references, and why).
 
 A JIT build goes to <TORCH_EXTENSIONS_DIR>/<name>_<hash>, where <hash> covers every file in
 csrc/, the sources and flags, torch's version, and the host CPU's ISA flags when -march=native
@@ -27,11 +30,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -42,7 +48,7 @@ from .. import _build_config
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "native": False, "error": None, "library": None,
-                "cuda_built": False}
+                "cuda_built": False, "reference_chosen": False}
 
 # The ops of zero_ext/kernels/_ops.py (SCHEMAS), in that order; a test checks they agree.
 OPS = ("flatten_into", "unflatten_from", "assign_params", "flat_offsets", "fused_adamw_")
@@ -118,11 +124,13 @@ def _import_cpp_extension(cuda: bool):
     return cpp_extension
 
 
-def _ensure_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; a venv used without activation (.venv/bin/python) has the
-    pip-installed ninja next to its python but not on PATH."""
-    if shutil.which("ninja"):
-        return
+def _find_ninja() -> tuple:
+    """(path of the ninja a build would run, whether its directory must be put on PATH), or
+    (None, False). torch runs `ninja` from PATH; a venv used without activation
+    (.venv/bin/python) has the pip-installed ninja next to its python but not on PATH."""
+    found = shutil.which("ninja")
+    if found:
+        return found, False
     dirs = [os.path.dirname(sys.executable)]
     try:
         import ninja  # the pip package
@@ -132,37 +140,89 @@ def _ensure_ninja_on_path() -> None:
         pass
     for d in dirs:
         if os.path.isfile(os.path.join(d, "ninja")):
-            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
-            return
-    raise RuntimeError("ninja not found (pip install ninja)")
+            return os.path.join(d, "ninja"), True
+    return None, False
+
+
+def _ensure_ninja_on_path() -> None:
+    path, add = _find_ninja()
+    if path is None:
+        raise RuntimeError("ninja not found (pip install ninja)")
+    if add:
+        os.environ["PATH"] = os.path.dirname(path) + os.pathsep + os.environ.get("PATH", "")
+
+
+def _missing_tool() -> str | None:
+    """Why a JIT build cannot start here (no compiler, no ninja), or None."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler found ({cxx!r} is not on PATH; install g++ or set CXX)"
+    if _find_ninja()[0] is None:
+        return "ninja not found (pip install ninja)"
+    return None
 
 
 def _check_compiler() -> None:
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        raise RuntimeError(f"no C++ compiler found ({cxx!r} is not on PATH; install g++ or "
-                           "set CXX)")
+    missing = _missing_tool()
+    if missing:
+        raise RuntimeError(missing)
     _ensure_ninja_on_path()
 
 
-def jit_build(cuda: bool, name: str | None = None, verbose: bool = False):
-    """JIT-compile and load csrc/; returns the library path. Raises on failure."""
-    from . import _ops  # noqa: F401  the schemas first: the library only registers kernels
-    if cuda:
-        _cuda_home_hint()  # before torch.utils.cpp_extension is imported: it reads CUDA_HOME
-        if not torch.cuda.is_available():
-            # torch asks the (absent) GPU for its architecture otherwise; this build only
-            # proves that the sources compile and link.
-            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    os.environ.setdefault("MAX_JOBS", "2")
+def _compiler_description() -> str:
+    """The C++ compiler a build would run: its name, path and first --version line."""
+    cxx = os.environ.get("CXX", "c++")
+    path = shutil.which(cxx)
+    if path is None:
+        return f"{cxx} (not found)"
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)
+        version = (out.stdout.strip().splitlines() or [""])[0]
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    if os.path.abspath(cxx) == path:  # CXX is a path
+        return f"{path} ({version})" if version else path
+    return f"{cxx} ({path}{': ' + version if version else ''})"
+
+
+def _nvcc() -> str | None:
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def _build_estimate(cuda: bool) -> str:
+    """How long a cold JIT build takes (the same words in the build's own message and in
+    native_status())."""
+    return (f"about {'4-7 minutes' if cuda else '1-3 minutes'} on 2 cores "
+            f"(MAX_JOBS={os.environ.get('MAX_JOBS', '2')})")
+
+
+def _jit_env_defaults(cuda: bool) -> dict:
+    """The environment defaults jit_build sets (TORCH_CUDA_ARCH_LIST enters the cache key)."""
+    out = {"MAX_JOBS": "2"}
+    if cuda and not torch.cuda.is_available():
+        # torch asks the (absent) GPU for its architecture otherwise; this build only
+        # proves that the sources compile and link.
+        out["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    return out
+
+
+def _jit_target(cuda: bool, name: str | None = None, verbose: bool = False,
+                env=None) -> tuple:
+    """What jit_build(cuda, name) builds and where: (kwargs for cpp_extension.load, cache key,
+    build directory, library path). Builds nothing and changes nothing; env (default
+    os.environ) is the environment the build would see."""
+    env = os.environ if env is None else env
     cflags = list(_build_config.CXX_FLAGS)
-    if os.environ.get("ZERO_EXT_NATIVE_ARCH", "1") == "1":
+    if env.get("ZERO_EXT_NATIVE_ARCH", "1") == "1":
         cflags.append("-march=native")  # fine for a build on the machine that runs it
     srcs = _build_config.sources(cuda)
-    only = os.environ.get("ZERO_EXT_JIT_SOURCES")  # development: build a subset of csrc/
+    only = env.get("ZERO_EXT_JIT_SOURCES")  # development: build a subset of csrc/
     if only:
         srcs = [os.path.join(_build_config.CSRC, n.strip()) for n in only.split(",")]
-    name = name or os.environ.get("ZERO_EXT_JIT_NAME") or (
+    name = name or env.get("ZERO_EXT_JIT_NAME") or (
         "zero_ext_native_cuda" if cuda else "zero_ext_native_cpu")
     kwargs = dict(
         name=name,
@@ -179,11 +239,31 @@ def jit_build(cuda: bool, name: str | None = None, verbose: bool = False):
     # cpp_extension.load re-hashes and re-runs ninja in every process (~5 s each on these
     # machines, paid by every rank of every test world); a stamp of the inputs lets an
     # unchanged build be loaded directly. The directory name carries a hash of the same key.
-    key = cache_key(kwargs, cuda)
-    build_dir = os.path.join(_extensions_root(), f"{name}_{key[:12]}")
-    library = os.path.join(build_dir, name + ".so")
+    key = cache_key(kwargs, cuda, env)
+    build_dir = os.path.join(_extensions_root(env), f"{name}_{key[:12]}")
+    return kwargs, key, build_dir, os.path.join(build_dir, name + ".so")
+
+
+def _is_built(library: str, key: str) -> bool:
+    """A finished build of exactly these inputs is there (its stamp holds the key)."""
+    return os.path.exists(library) and _read(library + ".stamp") == key
+
+
+def _planned_target(cuda: bool) -> tuple:
+    """_jit_target as the next jit_build(cuda) will see it (with its environment defaults)."""
+    return _jit_target(cuda, env={**_jit_env_defaults(cuda), **os.environ})
+
+
+def jit_build(cuda: bool, name: str | None = None, verbose: bool = False):
+    """JIT-compile and load csrc/; returns the library path. Raises on failure."""
+    from . import _ops  # noqa: F401  the schemas first: the library only registers kernels
+    if cuda:
+        _cuda_home_hint()  # before torch.utils.cpp_extension is imported: it reads CUDA_HOME
+    for var, value in _jit_env_defaults(cuda).items():
+        os.environ.setdefault(var, value)
+    kwargs, key, build_dir, library = _jit_target(cuda, name, verbose)
     stamp_file = library + ".stamp"
-    if os.path.exists(library) and _read(stamp_file) == key:
+    if _is_built(library, key):
         torch.ops.load_library(library)
         return library
     _check_compiler()
@@ -192,7 +272,7 @@ def jit_build(cuda: bool, name: str | None = None, verbose: bool = False):
     # One build per key at a time: other processes (the ranks of a torchrun job) wait here and
     # then load what the first one built, instead of each printing and starting a build.
     with _file_lock(os.path.join(build_dir, "zero_ext.lock")):
-        if os.path.exists(library) and _read(stamp_file) == key:
+        if _is_built(library, key):
             torch.ops.load_library(library)
             return library
         return _build(kwargs, cuda, build_dir, library, stamp_file, key)
@@ -215,8 +295,7 @@ def _file_lock(path: str):
 
 def _build(kwargs, cuda, build_dir, library, stamp_file, key):
     what = "CPU/CUDA" if cuda else "CPU"
-    _say(f"building native ops for {what}, first use only, about "
-         f"{'4-7 minutes' if cuda else '1-3 minutes'} on 2 cores (MAX_JOBS={os.environ['MAX_JOBS']}); "
+    _say(f"building native ops for {what}, first use only, {_build_estimate(cuda)}; "
          f"cache: {build_dir}")
     t0 = time.monotonic()
     cpp_extension = _import_cpp_extension(cuda)  # slow import; only needed to build
@@ -234,17 +313,19 @@ def _build(kwargs, cuda, build_dir, library, stamp_file, key):
     return library
 
 
-def _extensions_root() -> str:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+def _extensions_root(env=None) -> str:
+    root = (os.environ if env is None else env).get("TORCH_EXTENSIONS_DIR")
     if not root:
         root = os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions", "zero_ext")
     return root
 
 
-def cache_key(kwargs: dict, cuda: bool) -> str:
+def cache_key(kwargs: dict, cuda: bool, env=None) -> str:
     """Hash of everything the build depends on: every file in csrc/ (by name and content, not
     by path, so identical checkouts share), the sources, flags, torch, and the host ISA when
-    -march=native is on. The venv's include paths are left out: torch's version covers them."""
+    -march=native is on. The venv's include paths are left out: torch's version covers them.
+    env (default os.environ) supplies CXX and TORCH_CUDA_ARCH_LIST."""
+    env = os.environ if env is None else env
     h = hashlib.sha256(b"zero_ext jit v2\0")
 
     def add(tag, value):
@@ -256,9 +337,9 @@ def cache_key(kwargs: dict, cuda: bool) -> str:
         add(k, kwargs.get(k))
     add("torch", (torch.__version__, torch.version.cuda, getattr(torch.version, "git_version", "")))
     add("python", sys.version_info[:2])
-    add("cxx", os.environ.get("CXX", "c++"))
+    add("cxx", env.get("CXX", "c++"))
     if cuda:
-        add("arch", os.environ.get("TORCH_CUDA_ARCH_LIST"))
+        add("arch", env.get("TORCH_CUDA_ARCH_LIST"))
     if "-march=native" in kwargs["extra_cflags"]:
         add("isa", _host_isa())
     for fname in sorted(os.listdir(_build_config.CSRC)):
@@ -277,29 +358,39 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _load() -> None:
-    """One attempt, under the lock; fills _state."""
+def _load(build: bool = True) -> bool:
+    """One attempt, under the lock; fills _state and returns True. With build=False nothing is
+    compiled: when loading would need a build, it returns False and leaves _state untouched
+    (not tried), so that the first use still builds."""
     t0 = time.monotonic()
     from . import _ops  # noqa: F401  the schemas first: the library only registers kernels
+    if _flag("ZERO_EXT_REFERENCE"):
+        # A choice, not a failure: the library is never loaded, the default kernels (the
+        # references) serve every call, and no warning is given.
+        _state.update(reference_chosen=True, seconds=time.monotonic() - t0, tried=True)
+        return True
     try:
-        if _flag("ZERO_EXT_REFERENCE"):
-            raise RuntimeError("ZERO_EXT_REFERENCE=1 forces the pure-PyTorch references")
         try:
             importlib.import_module("zero_ext._C")  # built by setup.py
-            _state["library"] = "zero_ext._C (setup.py build)"
-            _state["cuda_built"] = torch._C._dispatch_has_kernel_for_dispatch_key(
+            library = "zero_ext._C (setup.py build)"
+            cuda_built = torch._C._dispatch_has_kernel_for_dispatch_key(
                 "zero_ext::flatten_into", "CUDA")
-        except ImportError:
+        except ImportError as exc:
+            if importlib.util.find_spec("zero_ext._C") is not None:
+                _state["setup_build_error"] = exc  # there but unusable: the JIT build serves
             cuda = _want_cuda()
-            _state["library"] = jit_build(cuda)
-            _state["cuda_built"] = cuda
-        _state["native"] = True
-    except Exception as exc:  # no compiler, failed build, forced reference
+            if not build:
+                _, key, _, planned = _planned_target(cuda)
+                if not _is_built(planned, key):
+                    return False
+            library = jit_build(cuda)
+            cuda_built = cuda
+        _state.update(library=library, cuda_built=cuda_built, native=True)
+    except Exception as exc:  # no compiler, failed build, a cached library that does not load
         _state["error"] = exc
-        forced = _flag("ZERO_EXT_REFERENCE")
-        if not forced and require_native():
+        if require_native():
             _state["required_failure"] = exc
-        elif not forced:
+        else:
             warnings.warn(
                 "zero_ext: native ops unavailable, using the pure-PyTorch reference kernels "
                 f"(slow). Reason: {type(exc).__name__}: {exc}",
@@ -308,10 +399,12 @@ def _load() -> None:
             )
     _state["seconds"] = time.monotonic() - t0
     _state["tried"] = True
+    return True
 
 
 def ensure_loaded() -> bool:
-    """Load the native ops if possible; True when torch.ops.zero_ext runs compiled code.
+    """Load the native ops if possible, building them on the first use; True when
+    torch.ops.zero_ext runs compiled code.
 
     With ZERO_EXT_REQUIRE_NATIVE=1 a failed build raises RuntimeError (every call) instead of
     falling back to the references; ZERO_EXT_REFERENCE=1 still selects the references."""
@@ -327,31 +420,55 @@ def ensure_loaded() -> bool:
     return _state["native"]
 
 
+def load_if_built() -> bool:
+    """Load the native ops if that needs no compiler: setup.py's zero_ext._C, or a JIT build
+    cached for the current sources (well under a second). Builds nothing, never raises;
+    True when torch.ops.zero_ext runs compiled code."""
+    if not _state["tried"] and not _flag("ZERO_EXT_REFERENCE"):
+        with _lock:
+            if not _state["tried"]:
+                _load(build=False)
+    return _state["native"]
+
+
 def load_native() -> "NativeStatus":
     """Load (or build, first time) the native ops now, so that torch.ops.zero_ext.* exist;
     returns native_status(). Raises under ZERO_EXT_REQUIRE_NATIVE=1 when they cannot load."""
     ensure_loaded()
-    return native_status()
+    return native_status(load=False)
 
 
 class NativeStatus(dict):
-    """native_status()'s result: a dict, printed as a short table.
+    """native_status()'s result: a dict, printed as a short report.
 
-    Keys: "native" (bool: compiled ops loaded), "library" (what was loaded), "error" (why
-    not, or None), "ops": {op: {"cpu": str, "cuda": str}} where each value is "native" or
-    "reference: <why>" (or "n/a: ..." for host-side ops on CUDA)."""
+    Keys:
+    - "native" (bool): compiled ops loaded in this process;
+    - "state": "loaded", "reference chosen" (ZERO_EXT_REFERENCE=1), "failed" (no compiler,
+      failed build: the references run, "error" says why), or, before the first use,
+      "not loaded" (a build exists; the first use loads it), "not built" (the first use
+      builds it) or "cannot build" (no compiler or ninja: the first use runs the references);
+    - "summary": one line saying that; "plan": what the first use will do (or None);
+    - "reason": the "reference: <why>" of every op not run natively for that reason (or None);
+    - "library": what was loaded (or would be); "build_dir": where a JIT build goes (or None);
+    - "error": why loading failed, or None (ZERO_EXT_REFERENCE=1 is not an error);
+    - "ops": {op: {"cpu": str, "cuda": str}}, each "native", "reference: <why>", or "n/a: ..."
+      for the host-side ops on CUDA."""
 
     def __str__(self) -> str:
-        if self["native"]:
-            head = f"zero_ext native ops: loaded from {self['library']}"
-        elif self["error"]:
-            head = f"zero_ext native ops: NOT loaded, pure-PyTorch references in use: {self['error']}"
-        else:
-            head = "zero_ext native ops: not loaded yet (first use loads them)"
+        lines = [f"zero_ext native ops: {self['summary']}"]
+        if self.get("plan"):
+            lines += textwrap.wrap(self["plan"], 96, initial_indent="  ", subsequent_indent="  ",
+                                   break_long_words=False, break_on_hyphens=False)
+        reason = self.get("reason")  # said above: the table only says "reference"
+
+        def short(what):
+            return "reference" if reason and what == reason else what
+
         width = max(len(op) for op in self["ops"])
-        lines = [head]
+        lines.append("  what runs now, per op:")
         for op, devs in self["ops"].items():
-            lines.append(f"  {op:<{width}}  cpu: {devs['cpu']:<10} cuda: {devs['cuda']}")
+            lines.append(f"  {op:<{width}}  cpu: {short(devs['cpu']):<10}  "
+                         f"cuda: {short(devs['cuda'])}")
         return "\n".join(lines)
 
 
@@ -366,24 +483,80 @@ def _short(exc: BaseException, limit: int = 300) -> str:
     return first[:limit]
 
 
-def native_status(load: bool = True) -> NativeStatus:
-    """Which zero_ext ops run compiled code on which device, and why not where they don't.
+_FIRST_USE = ("The first use (building or stepping an optimizer, a kernel call) or "
+              "zero_ext.load_native()")
 
-    load=True (default) loads the ops first (a first call may build them: about a minute);
-    it never raises, also under ZERO_EXT_REQUIRE_NATIVE=1 (the failure is in "error")."""
+
+def _plan() -> dict:
+    """What the first use will do, while nothing has been tried yet (and ZERO_EXT_REFERENCE is
+    not set). Builds and loads nothing: reads the JIT cache, looks for the tools."""
+    if importlib.util.find_spec("zero_ext._C") is not None and "setup_build_error" not in _state:
+        return dict(state="not loaded", library="zero_ext._C (setup.py build)", build_dir=None,
+                    cuda=None, why="reference: not loaded yet (built; the first use loads it)",
+                    summary="built by setup.py (zero_ext._C), not loaded yet",
+                    plan=f"{_FIRST_USE} loads it, in well under a second.")
+    cuda = _want_cuda()
+    _, key, build_dir, library = _planned_target(cuda)
+    if _is_built(library, key):
+        return dict(state="not loaded", library=library, build_dir=build_dir, cuda=cuda,
+                    why="reference: not loaded yet (built; the first use loads it)",
+                    summary="built for these sources, not loaded yet",
+                    plan=f"{_FIRST_USE} loads {library}, in well under a second.")
+    missing = _missing_tool()
+    if missing:
+        then = ("raises an error (ZERO_EXT_REQUIRE_NATIVE=1)" if require_native() else
+                "runs the pure-PyTorch references instead (slow), with one warning")
+        return dict(state="cannot build", library=None, build_dir=build_dir, cuda=cuda,
+                    why="reference: " + missing,
+                    summary=f"not built, and no build is possible here: {missing}",
+                    plan=f"{_FIRST_USE} {then}.")
+    what = "CPU and CUDA" if cuda else "CPU"
+    tools = _compiler_description()
+    if cuda:
+        nvcc = _nvcc()
+        tools += f" and nvcc ({nvcc})" if nvcc else " and nvcc (NOT found: set CUDA_HOME)"
+    plan = (f"{_FIRST_USE} builds the {what} ops with {tools}, {_build_estimate(cuda)}, into "
+            f"{build_dir}; later runs load that build in well under a second. Until then the "
+            "pure-PyTorch references run; "
+            + ("a failed build raises an error (ZERO_EXT_REQUIRE_NATIVE=1)." if require_native()
+               else "if the build fails they keep running, with one warning."))
+    return dict(state="not built", library=None, build_dir=build_dir, cuda=cuda,
+                why="reference: not built yet (the first use builds it)",
+                summary="not built yet for these sources (this report built nothing)", plan=plan)
+
+
+def native_status(load: bool | None = None) -> NativeStatus:
+    """Which zero_ext ops run compiled code on which device, and why not where they don't;
+    before the first use, what that first use will do. Never raises.
+
+    load=None (default): load the native ops if they are already built (setup.py's
+    zero_ext._C, or a JIT build cached for the current sources: well under a second), never
+    compile; when a build is needed, say so (where, with which compiler, about how long).
+    load=True: load them now, building them if needed (minutes on an empty cache), like
+    zero_ext.load_native() but never raising, also under ZERO_EXT_REQUIRE_NATIVE=1.
+    load=False: report only; load nothing."""
     if load:
         try:
             ensure_loaded()
         except RuntimeError:
             pass
+    elif load is None:
+        load_if_built()
     err = _state["error"]
-    if not _state["tried"]:
-        why = "reference: not loaded yet (first use loads them)"
-    elif err is not None:
-        why = ("reference: ZERO_EXT_REFERENCE=1" if _flag("ZERO_EXT_REFERENCE")
-               and "ZERO_EXT_REFERENCE" in str(err) else "reference: " + _short(err))
+    info = dict(library=_state["library"], build_dir=None, plan=None, cuda=_state["cuda_built"])
+    if _state["tried"] and _state["native"]:
+        info.update(state="loaded", why=None, summary=f"loaded from {_state['library']}")
+    elif _state["reference_chosen"] or (not _state["tried"] and _flag("ZERO_EXT_REFERENCE")):
+        info.update(state="reference chosen", why="reference: chosen by ZERO_EXT_REFERENCE=1",
+                    summary="not used: ZERO_EXT_REFERENCE=1 chose the pure-PyTorch references "
+                            "(a choice, not an error; unset it to use the compiled ops)")
+    elif _state["tried"]:
+        info.update(state="failed", why="reference: " + _short(err),
+                    summary="NOT loaded, the pure-PyTorch references run instead: "
+                            + _short(err))
     else:
-        why = None
+        info.update(_plan())
+    why = info["why"]
     ops = {}
     for op in OPS:
         if why is not None:
@@ -396,16 +569,19 @@ def native_status(load: bool = True) -> NativeStatus:
             cuda = "n/a: host-side op (runs on the CPU for any device)"
         elif torch.version.cuda is None:
             cuda = "reference: this torch build has no CUDA"
+        elif info["state"] == "loaded" and _has_kernel(op, "CUDA"):
+            cuda = "native"
+        elif info["state"] in ("loaded", "not loaded", "not built") and info["cuda"] is False:
+            cuda = "reference: not built (no GPU seen; ZERO_EXT_BUILD_CUDA=1 builds it)"
         elif why is not None:
             cuda = why
-        elif _has_kernel(op, "CUDA"):
-            cuda = "native"
-        elif not _state["cuda_built"]:
-            cuda = "reference: not built (no GPU seen; ZERO_EXT_BUILD_CUDA=1 builds it)"
         else:
             cuda = "reference: no CUDA kernel registered"
         ops[op] = {"cpu": cpu, "cuda": cuda}
-    return NativeStatus(native=bool(_state["native"]), library=_state["library"],
+    return NativeStatus(native=bool(_state["native"]), state=info["state"],
+                        summary=info["summary"], plan=info["plan"], reason=why,
+                        library=info["library"],
+                        build_dir=info["build_dir"],
                         error=None if err is None else _short(err, 2000), ops=ops)
 
 

@@ -303,13 +303,24 @@ def main(argv=None) -> int:
             "local_numel": local_numel(opt)}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
-    timed = step_times[min(10, len(step_times) - 1):]  # skip warm-up steps
-    timed_opt = opt_times[min(10, len(opt_times) - 1):]
+    # the mean leaves out up to 10 warm-up steps, and always times at least the last step
+    skip = min(10, len(step_times) - 1)
+    timed = step_times[skip:]
+    timed_opt = opt_times[skip:]
     if rank == 0:
         print(f"\nloss {first_loss:.4f} -> {final_loss:.4f} "
               f"(uniform guess: {math.log(args.vocab):.4f})")
+        which = (f"step {skip + 1} only" if len(timed) == 1
+                 else f"steps {skip + 1}-{len(step_times)}")
+        if skip == 10:
+            which += ", after 10 warm-up steps"
+        elif skip:
+            which += (f", after {skip} warm-up step{'' if skip == 1 else 's'} instead of 10: "
+                      "may still include warm-up costs")
+        else:
+            which += ": includes the warm-up costs"
         print(f"mean step {1e3 * sum(timed) / len(timed):.1f} ms, of which optimizer step "
-              f"{1e3 * sum(timed_opt) / len(timed_opt):.1f} ms (rank 0, after 10 warm-up steps)")
+              f"{1e3 * sum(timed_opt) / len(timed_opt):.1f} ms (rank 0, {which})")
         print("\nrank  optimizer-state MiB  state elements  local_numel  share of params")
         for m in everyone:
             print(f"{m['rank']:4d}  {m['state_bytes'] / 2**20:19.3f}  "

@@ -38,6 +38,11 @@ tensor goes back to the OS at once and one mode's garbage cannot hide the next o
 allocations; RSS counts pages actually touched, so an allocation that is never written
 (torch.empty never filled) does not count.
 
+What the optimizer keeps between steps, as resident memory per param next to the bytes
+counted from the tensors (issue 15), is measured by the sibling script
+bench_resident_memory.py (fresh processes per config, VmRSS after malloc_trim minus the
+process after import torch + gloo init).
+
 Memory per process (GPT-2 small, world 2): grads 498 MB + one mode's params 498 MB + its state
 (2 x 498 / world MB, more on the rank holding the token embedding in param mode) + the
 transient being measured (up to ~1x model today) + runtime: about 2.5 GB, 5 GB in all.

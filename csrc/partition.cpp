@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -259,19 +260,19 @@ void local_search(const Codec& c, const std::vector<typename Codec::Rec>& desc, 
     end = begin;
   }
 
-  std::vector<int64_t> others;
-  others.reserve(world);
+  // Every rank as (load, rank), ascending, kept ordered as loads change (two per step):
+  // the heaviest rank and the visiting order of the others in O(log world) per step, not a
+  // sort of every rank per step (which made the search O(steps * world log world)).
+  std::set<std::pair<int64_t, int64_t>> by_load;
+  for (int64_t r = 0; r < world; ++r) by_load.insert({loads[r], r});
   for (int64_t iter = 0; iter < kMaxLocalSearchIters; ++iter) {
-    const int64_t h = std::max_element(loads.begin(), loads.end()) - loads.begin();
+    // The heaviest: the lowest rank of the largest load.
+    const int64_t h = by_load.lower_bound({by_load.rbegin()->first, kLo})->second;
     if (loads[h] <= bound) return;
-    others.clear();
-    for (int64_t r = 0; r < world; ++r)
-      if (r != h) others.push_back(r);
-    std::sort(others.begin(), others.end(), [&](int64_t a, int64_t b) {
-      return loads[a] != loads[b] ? loads[a] < loads[b] : a < b;
-    });
     bool applied = false;
-    for (int64_t r : others) {
+    for (const auto& entry : by_load) {  // the other ranks by ascending (load, rank)
+      const int64_t r = entry.second;
+      if (r == h) continue;
       if (loads[h] - loads[r] < 2) break;  // ascending loads: no later rank can help
       const Step s = best_step(items[h], items[r], loads[h], loads[r]);
       if (s.p < 0) continue;
@@ -285,10 +286,14 @@ void local_search(const Codec& c, const std::vector<typename Codec::Rec>& desc, 
         owner[s.q] = h;
         delta -= s.q_numel;
       }
+      by_load.erase({loads[h], h});
+      by_load.erase({loads[r], r});
       loads[h] -= delta;
       loads[r] += delta;
+      by_load.insert({loads[h], h});
+      by_load.insert({loads[r], r});
       applied = true;
-      break;
+      break;  // `entry` is not used again: the set may have changed under it
     }
     if (!applied) return;
   }

@@ -14,6 +14,7 @@ The sync exchanges each rank's range; the optimizer steps its own.
 from __future__ import annotations
 
 import bisect
+import heapq
 from dataclasses import dataclass, field
 
 import torch
@@ -112,12 +113,15 @@ def assign_owners(numels: list[int], group_ids: list[int], world: int) -> list[i
 def extend_owners(loads: list[int], numels: list[int]) -> list[int]:
     """Owners for params added later: sorted greedy on top of the current loads, so that
     params already placed (and their optimizer state) never move."""
-    loads = list(loads)
+    # Least-loaded rank by a heap of (load, rank): the lowest rank on ties, as min() over
+    # every rank would pick, in O(log world) per param instead of O(world).
+    heap = [(int(load), r) for r, load in enumerate(loads)]
+    heapq.heapify(heap)
     out = [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        r = min(range(len(loads)), key=lambda r: (loads[r], r))
+        load, r = heap[0]
         out[i] = r
-        loads[r] += numels[i]
+        heapq.heapreplace(heap, (load + numels[i], r))
     return out
 
 
@@ -141,7 +145,10 @@ def find_aliases(params: list[torch.Tensor]) -> dict[int, int]:
         if p.numel() == 0:
             continue
         s = p.untyped_storage()
-        by_storage.setdefault((p.device, s.data_ptr()), []).append(i)
+        # Meta tensors have no memory (every data_ptr is 0): tell their storages apart by
+        # identity instead, so that views of one meta storage still count as aliases.
+        where = s._cdata if p.device.type == "meta" else s.data_ptr()
+        by_storage.setdefault((p.device, where), []).append(i)
     aliases: dict[int, int] = {}
     for ids in by_storage.values():
         if len(ids) < 2:

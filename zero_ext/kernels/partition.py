@@ -183,16 +183,21 @@ def _local_search(numels: List[int], world_size: int, owner: List[int], loads: L
     for i in sorted(range(len(numels)), key=lambda i: (numels[i], i)):
         if numels[i] > 0:
             items[owner[i]].append((numels[i], i))
+    # Every rank as (load, rank), ascending, kept sorted as loads change (two per step):
+    # the heaviest rank and the others in visiting order without sorting every rank again.
+    by_load = sorted((loads[r], r) for r in range(world_size))
     for _ in range(MAX_LOCAL_SEARCH_ITERS):
-        h = max(range(world_size), key=lambda r: (loads[r], -r))
+        # heaviest: the lowest rank of the largest load
+        h = by_load[bisect.bisect_left(by_load, (by_load[-1][0], -1))][1]
         if loads[h] <= bound:
             return
-        others = sorted((r for r in range(world_size) if r != h), key=lambda r: (loads[r], r))
         applied = False
-        for r in others:
-            if loads[h] - loads[r] < 2:
+        for load_r, r in by_load:  # the other ranks by ascending (load, rank)
+            if r == h:
+                continue
+            if loads[h] - load_r < 2:
                 break
-            step = _best_step(items[h], items[r], loads[h], loads[r])
+            step = _best_step(items[h], items[r], loads[h], load_r)
             if step is None:
                 continue
             _, is_swap, p, q, p_numel, q_numel = step
@@ -205,8 +210,10 @@ def _local_search(numels: List[int], world_size: int, owner: List[int], loads: L
                 bisect.insort(items[h], (q_numel, q))
                 owner[q] = h
                 delta -= q_numel
-            loads[h] -= delta
-            loads[r] += delta
+            for rank, new in ((h, loads[h] - delta), (r, load_r + delta)):
+                del by_load[bisect.bisect_left(by_load, (loads[rank], rank))]
+                bisect.insort(by_load, (new, rank))
+                loads[rank] = new
             applied = True
             break
         if not applied:

@@ -1,0 +1,609 @@
+"""Scale evidence without the hardware: zero_ext.ZeroRedundancyOptimizer at world 8 .. 1024.
+
+One process plays rank 0 of a world of W ranks with torch's fake process group
+(``torch.testing._internal.distributed.fake_pg``: every collective returns at once, nothing
+moves), on parameters on the ``meta`` device (shapes and dtypes, no memory). For each model
+(GPT-2 small, Llama-2 7B, Llama-2 70B; nanoGPT's groups: 2-D weights decay, 1-D don't) x
+world x sharding ("param", "flat"), with torch.optim.AdamW, it builds the optimizer, runs
+one real step on fake grads, and reads the shard plan (``opt.plan``, zero_ext/layout.py) for
+the figures of every other rank. Columns:
+
+- ``ctor ms``: construction of zero_ext's optimizer (median of --repeats, after a warm-up);
+  ``plan ms``: the part spent in the shard plan (``ShardPlan.add_generation`` + ``bind_local``:
+  owners, buckets, this rank's pieces). ``torch ms``: torch's own ZeroRedundancyOptimizer
+  built from the same meta params at the same world (also works on meta + fake PG).
+- ``state/rank max``, ``mean``, ``max/mean``: optimizer state bytes each rank holds, from the
+  plan (every rank's pieces): AdamW keeps exp_avg + exp_avg_sq, 8 bytes per fp32 element
+  (12 with ``--dtype bfloat16 --master-weights``: two fp32 moments + the fp32 master);
+  padding excluded. Rank 0's figure is checked against ``opt.local_numel``.
+- ``colls/step``: collectives rank 0 issued in its second step (counted by wrapping
+  torch.distributed's collective functions; every rank issues the same sequence): the step's
+  agreement all_reduce(s) + the exchange's broadcasts. ``bcast`` of them are broadcasts.
+- ``sends/rank max`` and ``rank0 sends``: payload bytes a rank *sends* per step, defined as
+  the bytes it is the source of: a broadcast it is ``src`` of (its own updated elements), its
+  input to an all_reduce / all_gather. Rank 0's figure is counted from the wrapped calls,
+  every rank's from the exchange plan (``sync.plan_messages``, the same code the step runs;
+  the two agree for rank 0, checked). How many bytes cross each link is the backend's
+  algorithm (a ring or tree broadcast forwards the payload through intermediate ranks), so
+  ``recv/rank``, the bytes every rank must receive (all other ranks' updates: ~ the whole
+  model in param dtype), is the algorithm-independent bound on a rank's inbound traffic.
+- ``step ms``: host time of one of rank 0's later steps (median of --repeats; fake collectives, meta tensors: the Python
+  and dispatch cost of planning and issuing the step, not compute or transfer time).
+- ``ckpt meta``: size of ``torch.save`` of the checkpoint metadata that rank 0 writes
+  (``zero_ext.checkpoint.format._build_meta``), built from every rank's description as
+  ``checkpoint.save`` would gather them (rank 0's from its real state after the step, the
+  others' from the plan, in the same code: ``format._save_items``; rank 0's two are checked
+  equal). ``gathered``: pickled size of all ranks' descriptions (what rank 0 receives via
+  gather_object); ``meta ms``: time of ``_build_meta``.
+
+Limits of meta + fake: no compute or transfer time (only host cost), no DCP file writing
+(the ``.metadata`` of torch.distributed.checkpoint and the files are not produced), and the
+fake backend is neither gloo nor NCCL: with ``--bucket-view`` the exchange takes the generic
+path (one broadcast per non-empty rank range per bucket), where NCCL in flat mode issues one
+all_gather_into_tensor per bucket and gloo sends each rank range in chunks over two lanes.
+
+Extra checks (full run, or --extras): partition planning on a synthetic many-param model
+(where an O(world) step per param or per local-search step shows), and the Exchanger's
+rank translation for a process subgroup (torch.distributed.get_global_rank is O(group size),
+called once per rank).
+
+    python benchmarks/bench_scale.py            # full run (about 30 s on 2 cores)
+    python benchmarks/bench_scale.py --quick    # smoke run, well under a minute
+    python benchmarks/bench_scale.py --models llama2-70b --worlds 1024 --profile
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import gc
+import io
+import json
+import os
+import pickle
+import pstats
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+import model_shapes  # noqa: E402
+
+import zero_ext  # noqa: E402
+from zero_ext import layout, state, sync  # noqa: E402
+from zero_ext.checkpoint import format as ckpt_format  # noqa: E402
+from zero_ext.kernels import partition  # noqa: E402
+from zero_ext.kernels._loader import native_available  # noqa: E402
+
+WORLDS = (8, 64, 256, 1024)
+MODELS = ("gpt2-small", "llama2-7b", "llama2-70b")
+SHARDINGS = ("param", "flat")
+QUICK_WORLDS = (8, 1024)
+
+GiB, MiB, KiB = float(1 << 30), float(1 << 20), float(1 << 10)
+
+
+# ------------------------------------------------------------------ fake world
+
+def init_world(world: int) -> None:
+    """This process becomes rank 0 of a fake world of `world` ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+def meta_params(shapes, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.empty(s, dtype=dtype, device="meta")) for _, s in shapes]
+
+
+def nanogpt_groups(params) -> list[dict]:
+    """nanoGPT's configure_optimizers: every 2-D+ tensor decays, biases and norms don't."""
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+# ------------------------------------------------------------------ counting collectives
+
+_COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor",
+                "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter", "reduce",
+                "send", "recv", "isend", "irecv", "barrier", "all_gather_object",
+                "gather_object", "broadcast_object_list")
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return 0
+
+
+class CollectiveCounter:
+    """Wraps torch.distributed's collectives (module attributes, which zero_ext calls as
+    ``dist.broadcast(...)``) and records (name, payload bytes, bytes this rank sent)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int, int]] = []
+        self._saved: dict = {}
+
+    def _sent(self, name, args, kwargs) -> tuple[int, int]:
+        arg = lambda i, key: kwargs[key] if key in kwargs else (  # noqa: E731
+            args[i] if len(args) > i else None)
+        if name == "broadcast":
+            t, src, group = arg(0, "tensor"), arg(1, "src"), arg(2, "group")
+            me = dist.get_rank()  # src is a global rank
+            if src is None and kwargs.get("group_src") is not None:
+                src = dist.get_global_rank(group or dist.group.WORLD, kwargs["group_src"])
+            n = _nbytes(t)
+            return n, n if src == me else 0
+        if name in ("all_reduce", "reduce", "send", "isend", "all_to_all_single"):
+            t = arg(1, "input") if name == "all_to_all_single" else arg(0, "tensor")
+            n = _nbytes(t)
+            return n, n
+        if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+            inp = arg(1, "input_tensor" if name == "all_gather_into_tensor" else "input")
+            return _nbytes(arg(0, "output_tensor" if name == "all_gather_into_tensor"
+                               else "output")), _nbytes(inp)
+        if name == "all_gather":
+            return _nbytes(arg(0, "tensor_list")), _nbytes(arg(1, "tensor"))
+        if name in ("all_gather_object", "gather_object"):
+            obj = arg(1, "obj") if name == "all_gather_object" else arg(0, "obj")
+            n = len(pickle.dumps(obj))
+            return n, n
+        if name in ("recv", "irecv"):
+            return _nbytes(arg(0, "tensor")), 0
+        return 0, 0
+
+    def __enter__(self):
+        for name in _COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self._saved[name] = fn
+
+            def wrapper(*args, __name=name, __fn=fn, **kwargs):
+                payload, sent = self._sent(__name, args, kwargs)
+                self.calls.append((__name, payload, sent))
+                return __fn(*args, **kwargs)
+
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved = {}
+
+    @property
+    def count(self) -> int:
+        return len(self.calls)
+
+    def count_of(self, name: str) -> int:
+        return sum(1 for c in self.calls if c[0] == name)
+
+    @property
+    def sent(self) -> int:
+        return sum(c[2] for c in self.calls)
+
+
+# ------------------------------------------------------------------ plan time
+
+@contextlib.contextmanager
+def plan_timer():
+    """Accumulates the seconds spent in the shard plan while the context is open."""
+    spent = [0.0]
+    saved = {}
+    for name in ("add_generation", "bind_local"):
+        fn = getattr(layout.ShardPlan, name)
+        saved[name] = fn
+
+        def timed(self, *a, __fn=fn, **k):
+            t0 = time.perf_counter()
+            try:
+                return __fn(self, *a, **k)
+            finally:
+                spent[0] += time.perf_counter() - t0
+
+        setattr(layout.ShardPlan, name, timed)
+    try:
+        yield spent
+    finally:
+        for name, fn in saved.items():
+            setattr(layout.ShardPlan, name, fn)
+
+
+# ------------------------------------------------------------------ figures from the plan
+
+def rank_elements(plan: layout.ShardPlan) -> list[int]:
+    """Param elements whose optimizer state each rank holds (padding excluded)."""
+    world = plan.world_size
+    elems = [0] * world
+    placed = set()
+    for b in plan.buckets:
+        placed.update(b.param_ids)
+        for r in range(world):
+            elems[r] += sum(pc.length for pc in b.pieces(r))
+    if plan.sharding == layout.PARAM:  # owned params outside every bucket (frozen, tied)
+        for pid, r in enumerate(plan.owner):
+            if pid not in placed:
+                elems[r] += plan.params[pid].numel()
+    return elems
+
+
+def _elem_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def rank_sends(opt) -> list[int]:
+    """Bytes each rank is the source of in one step's exchange, from the exchange plan."""
+    plan = opt.plan
+    sent = [0] * plan.world_size
+    if opt.parameters_as_bucket_view:
+        for b in plan.buckets:
+            size = _elem_size(b.dtype)
+            for r, (lo, hi) in enumerate(b.rank_ranges):
+                sent[r] += (hi - lo) * size
+        return sent
+    for m in sync.plan_messages(plan.buckets, plan.world_size, plan.trainable):
+        sent[m.owner] += m.numel * _elem_size(m.dtype)
+    return sent
+
+
+def state_template(opt):
+    """(state names in order, per-element names with dtypes, scalars) of one param's state,
+    taken from rank 0's real state after a step (AdamW's layout if rank 0 holds none)."""
+    real = state.local_state(opt)
+    if real.order:
+        pid = next(iter(real.order))
+        names = list(real.order[pid])
+        per_elem = [(s.name, s.tensor.dtype) for s in real.segments if s.pid == pid]
+        seen, uniq = set(), []
+        for name, dt in per_elem:  # a flat-mode param may have several pieces here
+            if name not in seen:
+                seen.add(name)
+                uniq.append((name, dt))
+        return names, uniq, dict(real.scalars.get(pid, {}))
+    dt = torch.float32
+    return (["step", "exp_avg", "exp_avg_sq"], [("exp_avg", dt), ("exp_avg_sq", dt)],
+            {"step": torch.tensor(1.0)})
+
+
+def synthetic_local_state(opt, rank: int, template) -> state.LocalState:
+    """What state.local_state(opt) returns on `rank` after a step, built from the plan
+    (segments are meta tensors: only their lengths and dtypes are read)."""
+    names, per_elem, scalars = template
+    plan = opt.plan
+    out = state.LocalState()
+    pieces = [pc for b in plan.buckets for pc in b.pieces(rank)]
+    if plan.sharding == layout.PARAM:
+        placed = {pid for b in plan.buckets for pid in b.param_ids}
+        pieces += [layout.Piece(pid, 0, plan.params[pid].numel(), 0)
+                   for pid, r in enumerate(plan.owner) if r == rank and pid not in placed]
+    for pc in pieces:
+        out.order.setdefault(pc.param_id, list(names))
+        for name, dt in per_elem:
+            out.segments.append(state.Segment(pc.param_id, name, pc.start, pc.length,
+                                              torch.empty(pc.length, dtype=dt, device="meta")))
+        if scalars:
+            out.scalars.setdefault(pc.param_id, dict(scalars))
+    return out
+
+
+def checkpoint_meta(opt) -> dict:
+    """Size of the checkpoint metadata rank 0 would write, and of what it gathers."""
+    template = state_template(opt)
+    real_desc = ckpt_format._save_items(opt, state.local_state(opt))[1]
+    descs = []
+    for r in range(opt.world_size):
+        descs.append(ckpt_format._save_items(opt, synthetic_local_state(opt, r, template))[1])
+    mine = descs[opt.rank]
+    if opt.plan.local and (mine["chunks"], mine["wholes"], mine["order"]) != (
+            real_desc["chunks"], real_desc["wholes"], real_desc["order"]):
+        raise AssertionError("rank 0's description from the plan differs from its real one")
+    descs[opt.rank] = real_desc
+    gathered = [len(pickle.dumps(d)) for d in descs]
+    build = statistics.median(_timed(lambda: ckpt_format._build_meta(opt, descs))
+                              for _ in range(3))
+    meta = ckpt_format._build_meta(opt, descs)
+    buf = io.BytesIO()
+    torch.save(meta, buf)
+    return {"meta_bytes": buf.tell(), "gathered_bytes": sum(gathered),
+            "gathered_max_rank_bytes": max(gathered), "meta_build_s": build,
+            "stored_chunks": sum(len(d["chunks"]) for d in descs)}
+
+
+# ------------------------------------------------------------------ one case
+
+def build_zero(shapes, dtype, sharding, bucket_view, master_weights):
+    params = meta_params(shapes, dtype)
+    opt = zero_ext.ZeroRedundancyOptimizer(
+        nanogpt_groups(params), torch.optim.AdamW, sharding=sharding,
+        parameters_as_bucket_view=bucket_view, master_weights=master_weights, lr=1e-4)
+    return opt, params
+
+
+def build_torch_zero(shapes, dtype):
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    params = meta_params(shapes, dtype)
+    return TorchZero(nanogpt_groups(params), torch.optim.AdamW, lr=1e-4)
+
+
+def run_case(model: str, world: int, sharding: str, args) -> dict:
+    shapes = model_shapes.model_shapes(model)
+    dtype = getattr(torch, args.dtype)
+    row = {"model": model, "world": world, "sharding": sharding,
+           "params": len(shapes), "elements": sum(model_shapes.numel(s) for _, s in shapes)}
+    ctor, plan_s = [], []
+    opt = params = None
+    for _ in range(args.repeats):
+        opt = params = None
+        gc.collect()
+        with plan_timer() as spent:
+            t0 = time.perf_counter()
+            opt, params = build_zero(shapes, dtype, sharding, args.bucket_view,
+                                     args.master_weights)
+            ctor.append(time.perf_counter() - t0)
+        plan_s.append(spent[0])
+    row["ctor_s"], row["plan_s"] = statistics.median(ctor), statistics.median(plan_s)
+    if not args.no_torch:
+        times = []
+        for _ in range(args.repeats):
+            times.append(_timed(lambda: build_torch_zero(shapes, dtype)))
+        row["torch_ctor_s"] = statistics.median(times)
+
+    # state per rank, from the plan
+    elems = rank_elements(opt.plan)
+    assert elems[opt.rank] == opt.local_numel, (elems[opt.rank], opt.local_numel)
+    assert sum(elems) == row["elements"], (sum(elems), row["elements"])
+    per_elem = 2 * (4 if args.master_weights else _elem_size(dtype)) + (
+        4 if args.master_weights else 0)
+    row["state_bytes_per_elem"] = per_elem
+    row["state_max"] = max(elems) * per_elem
+    row["state_mean"] = sum(elems) * per_elem / world
+    row["ranks_without_state"] = sum(1 for e in elems if e == 0)
+
+    # one step on fake grads: collectives and bytes sent, counted for real
+    for p in params:
+        p.grad = torch.empty_like(p)
+    opt.step()  # the first step builds the exchange plan
+    with CollectiveCounter() as cc:
+        opt.step()
+    steps = []
+    for _ in range(args.repeats):
+        steps.append(_timed(opt.step))
+    row["step_s"] = statistics.median(steps)
+    row["colls"] = cc.count
+    row["bcasts"] = cc.count_of("broadcast")
+    row["all_reduces"] = cc.count_of("all_reduce")
+    row["rank0_sent"] = cc.sent
+    sends = rank_sends(opt)
+    agree_bytes = sum(c[2] for c in cc.calls if c[0] != "broadcast")
+    if sends[0] + agree_bytes != cc.sent:
+        raise AssertionError(f"rank 0 sent {cc.sent} bytes, the plan says "
+                             f"{sends[0]} + {agree_bytes}")
+    row["sent_max"] = max(sends) + agree_bytes
+    row["sent_mean"] = sum(sends) / world + agree_bytes
+    total = sum(sends)
+    row["recv_max"] = total - min(sends)
+    if not args.no_checkpoint:
+        row.update(checkpoint_meta(opt))
+    return row
+
+
+# ------------------------------------------------------------------ output
+
+def _gib(b):
+    return f"{b / GiB:.3f}" if b < 10 * GiB else f"{b / GiB:.1f}"
+
+
+def _mib(b):
+    return f"{b / MiB:.2f}" if b < 100 * MiB else f"{b / MiB:.0f}"
+
+
+def _ms(s):
+    return f"{s * 1e3:.1f}" if s < 1 else f"{s * 1e3:.0f}"
+
+
+HEADERS = ["model", "world", "sharding", "ctor ms", "plan ms", "torch ms",
+           "state/rank max GiB", "mean GiB", "max/mean", "colls/step", "bcast",
+           "sends/rank max MiB", "rank0 sends MiB", "recv/rank MiB", "step ms",
+           "ckpt meta KiB", "gathered KiB", "meta ms"]
+
+
+def table_row(r: dict) -> list[str]:
+    return [r["model"], str(r["world"]), r["sharding"], _ms(r["ctor_s"]), _ms(r["plan_s"]),
+            _ms(r["torch_ctor_s"]) if "torch_ctor_s" in r else "-",
+            _gib(r["state_max"]), _gib(r["state_mean"]),
+            f"{r['state_max'] / r['state_mean']:.2f}", str(r["colls"]), str(r["bcasts"]),
+            _mib(r["sent_max"]), _mib(r["rank0_sent"]), _mib(r["recv_max"]), _ms(r["step_s"]),
+            f"{r['meta_bytes'] / KiB:.0f}" if "meta_bytes" in r else "-",
+            f"{r['gathered_bytes'] / KiB:.0f}" if "gathered_bytes" in r else "-",
+            _ms(r["meta_build_s"]) if "meta_build_s" in r else "-"]
+
+
+def print_table(rows: list[dict]) -> str:
+    cells = [table_row(r) for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(HEADERS)]
+    line = lambda cs: "| " + " | ".join(c.rjust(w) for c, w in zip(cs, widths)) + " |"  # noqa: E731
+    out = [line(HEADERS), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(c) for c in cells]
+    text = "\n".join(out)
+    print(text, flush=True)
+    return text
+
+
+# ------------------------------------------------------------------ extra checks
+
+def extras(worlds, n_params: int = 20000) -> None:
+    """Where per-param or per-step work over every rank would show: a model of many params
+    (partition, construction, add_param_group), and rank translation for a subgroup."""
+    print(f"\nSynthetic model: {n_params} params of 2^10..2^22 elements (log-uniform), 2 "
+          "interleaved groups, fp32 meta, AdamW (ms; assign_params and extend_owners: median "
+          "of 3, constructions: fastest of 3)")
+    numels = model_shapes.random_numels(n_params, seed=0, max_log2=22, min_log2=10)
+    groups = [i % 2 for i in range(len(numels))]
+    print("| world | assign_params (native) | extend_owners, all params | ctor param | "
+          "ctor flat | add_param_group (500 params, after a step, param) | max/mean param |")
+    print("|------:|------:|------:|------:|------:|------:|------:|")
+    for world in worlds:
+        init_world(world)
+        t_assign = statistics.median(
+            _timed(lambda: partition.assign_params(numels, groups, world)) for _ in range(3))
+        t_extend = statistics.median(
+            _timed(lambda: layout.extend_owners([0] * world, numels)) for _ in range(3))
+        owners = partition.assign_params(numels, groups, world)
+        ratio = partition.max_over_mean(partition.rank_loads(numels, owners, world))
+        ctor = {}
+        for sharding in SHARDINGS:
+            for _ in range(3):  # the fastest of 3: a loaded machine adds, never removes
+                opt = None
+                params = [torch.nn.Parameter(torch.empty(n, device="meta")) for n in numels]
+                pg = [{"params": params[0::2], "weight_decay": 0.1},
+                      {"params": params[1::2], "weight_decay": 0.0}]
+                gc.collect()
+                t0 = time.perf_counter()
+                opt = zero_ext.ZeroRedundancyOptimizer(pg, torch.optim.AdamW,
+                                                       sharding=sharding, lr=1e-4)
+                ctor[sharding] = min(ctor.get(sharding, 1e9), time.perf_counter() - t0)
+            if sharding == "param":
+                for p in params:
+                    p.grad = torch.empty_like(p)
+                opt.step()  # state exists: new params are placed on top of the loads
+                extra = [torch.nn.Parameter(torch.empty(n, device="meta"))
+                         for n in model_shapes.random_numels(500, seed=1, max_log2=20)]
+                t_add = _timed(lambda: opt.add_param_group({"params": extra,
+                                                            "weight_decay": 0.0}))
+            del opt, params, pg
+        print(f"| {world} | {t_assign * 1e3:.1f} | {t_extend * 1e3:.1f} | "
+              f"{ctor['param'] * 1e3:.0f} | {ctor['flat'] * 1e3:.0f} | {t_add * 1e3:.1f} | "
+              f"{ratio:.4f} |", flush=True)
+
+    print("\nExchanger (the step's transport) built for the WORLD group and for a process "
+          "subgroup of the same ranks (ms)")
+    print("| world | WORLD | subgroup |")
+    print("|------:|------:|---------:|")
+    for world in sorted(set(worlds) | {4096}):
+        init_world(world)
+        sub = dist.new_group(list(range(world)))
+        t_world = _timed(lambda: sync.Exchanger(dist.group.WORLD, 0, world))
+        t_sub = _timed(lambda: sync.Exchanger(sub, 0, world))
+        print(f"| {world} | {t_world * 1e3:.2f} | {t_sub * 1e3:.2f} |", flush=True)
+
+
+def _timed(fn) -> float:
+    """Seconds of one call of fn, after a garbage collection (so that a collection of the
+    previous case's garbage does not land inside this one)."""
+    gc.collect()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------ main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smoke run: worlds {QUICK_WORLDS}, 1 repeat, no extras")
+    ap.add_argument("--models", nargs="+", default=list(MODELS),
+                    choices=model_shapes.MODELS, metavar="MODEL",
+                    help=f"models, from {model_shapes.MODELS} (default: {' '.join(MODELS)})")
+    ap.add_argument("--worlds", nargs="+", type=int, default=None,
+                    help=f"world sizes (default {WORLDS}; --quick: {QUICK_WORLDS})")
+    ap.add_argument("--shardings", nargs="+", default=list(SHARDINGS), choices=SHARDINGS,
+                    help="sharding modes (default: both)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="constructions timed per case, median reported (default 3; quick 1)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="param dtype (default: float32)")
+    ap.add_argument("--master-weights", action="store_true",
+                    help="master_weights=True (fp32 masters for bf16/fp16 params)")
+    ap.add_argument("--bucket-view", action="store_true",
+                    help="parameters_as_bucket_view=True (the fake backend then takes the "
+                         "generic broadcast path, see the docstring)")
+    ap.add_argument("--no-torch", action="store_true",
+                    help="skip torch's ZeroRedundancyOptimizer construction")
+    ap.add_argument("--no-checkpoint", action="store_true",
+                    help="skip the checkpoint metadata columns")
+    ap.add_argument("--extras", action="store_true",
+                    help="also run the extra checks (default in a full run)")
+    ap.add_argument("--no-extras", action="store_true", help="skip the extra checks")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile each case at the largest world (constructions, steps, checkpoint "
+                         "meta) and print the top functions")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = ap.parse_args(argv)
+    worlds = tuple(args.worlds or (QUICK_WORLDS if args.quick else WORLDS))
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    run_extras = args.extras or not (args.quick or args.no_extras)
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message=".*fake.*")
+    logging_quiet()
+
+    zero_ext.load_native()
+    native = native_available("assign_params", "cpu")
+    print(f"torch {torch.__version__}, zero_ext native partition kernel: {native}; "
+          f"rank 0 of a fake world, meta params, {args.dtype}"
+          f"{' + master weights' if args.master_weights else ''}, AdamW, "
+          f"bucket views {'on' if args.bucket_view else 'off'}, median of {args.repeats} "
+          "construction(s)", flush=True)
+    # Warm-up: the first optimizer of a process imports torch._dynamo (~1 s) and loads the
+    # native ops; neither is part of the construction cost at any world.
+    init_world(8)
+    build_zero(model_shapes.model_shapes("gpt2-small"), torch.float32, "param", False, False)
+    build_torch_zero(model_shapes.model_shapes("gpt2-small"), torch.float32)
+
+    rows = []
+    t_start = time.perf_counter()
+    for world in worlds:
+        init_world(world)
+        for model in args.models:
+            for sharding in args.shardings:
+                prof = None
+                if args.profile and world == max(worlds):
+                    prof = cProfile.Profile()
+                    prof.enable()
+                row = run_case(model, world, sharding, args)
+                if prof is not None:
+                    prof.disable()
+                    print(f"\n--- profile: {model}, world {world}, {sharding} (construction "
+                          f"x{args.repeats} + 2 steps + checkpoint meta), top by own time")
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+                rows.append(row)
+                print(f"  done {model} world {world} {sharding}: ctor {_ms(row['ctor_s'])} ms,"
+                      f" step {_ms(row['step_s'])} ms", file=sys.stderr, flush=True)
+    rows.sort(key=lambda r: (args.models.index(r["model"]), r["world"],
+                             args.shardings.index(r["sharding"])))
+    print()
+    print_table(rows)
+    print(f"\n(cases took {time.perf_counter() - t_start:.0f} s)")
+    if run_extras:
+        extras(worlds)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def logging_quiet() -> None:
+    import logging
+
+    logging.getLogger("zero_ext").setLevel(logging.WARNING)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,8 +17,12 @@ decay for a while, betas, eps, maximize, ...), scheduler steps (StepLR, OneCycle
 kwargs (CustomAdamW only), state-dict round trips (consolidate -> rank 0 -> every rank ->
 a fresh plain torch optimizer AND back into ZeRO), sharded checkpoint save/load (into the
 same or a freshly built optimizer), loads that must fail on every rank (a corrupted state
-dict, a checkpoint of another optimizer class; nothing half-loaded) and an exception in one
-rank's step (every rank must raise, none may wait).
+dict, a checkpoint of another optimizer class; nothing half-loaded), an exception in one
+rank's step (every rank must raise, none may wait), clip_grad_norm_ (norm types 2, 1, inf,
+-inf; the reference clips with torch.nn.utils.clip_grad_norm_ over the params it holds)
+followed by other events before the step that applies it (a freeze, an unfreeze, an
+add_param_group, weights written: the layout changes between the clip and the step), and
+state tensors replaced by the user (``st["exp_avg"] = ...`` after a loss spike).
 
 All specs of one world size run in ONE gloo world (tests/_dist.py run_specs), each with a
 fresh process group; every spec is its own pytest test. A failure prints the spec and the
@@ -197,9 +201,11 @@ def spec_strategy(draw):
     events = []
     n_events = rnd.randint(6, 12)
     frozen, pending, steps = set(), list(range(len(later_groups))), 0
+    clipped = False  # a clip is pending: the next step applies it to the grads it saw
     for k in range(n_events):
         menu = ["step"] * 4 + ["overwrite", "freeze", "lr", "hyper", "zero_grad",
-                               "sd_roundtrip", "ckpt", "bad_load"]
+                               "sd_roundtrip", "ckpt", "bad_load", "clip", "clip",
+                               "replace_state"]
         if frozen:
             menu.append("unfreeze")
         if pending and sched != "onecycle":
@@ -214,7 +220,15 @@ def spec_strategy(draw):
             menu.append("rank_fail")
         ev = rnd.choice(menu)
         args = {}
-        if ev in ("step", "kwstep"):
+        if ev in ("step", "kwstep", "rank_fail", "zero_grad"):
+            clipped = False
+        if ev == "clip":
+            args["max_norm"] = rnd.choice([0.05, 0.5, 1e3])
+            args["norm_type"] = rnd.choice([2.0, 2.0, 1.0, float("inf"), -float("inf")])
+            clipped = True
+        elif ev == "replace_state":
+            args["how"] = rnd.choice(["halve", "step"])
+        elif ev in ("step", "kwstep"):
             steps += 1
             args["skip"] = rnd.sample(range(len(shapes)), rnd.choice([0, 0, 1, 2]))
             if ev == "kwstep":
@@ -252,7 +266,9 @@ def spec_strategy(draw):
                     [("weight_decay", 0.05), ("betas", (0.7, 0.9)), ("eps", 1e-5),
                      ("maximize", True), ("weight_decay", 0.0)] + extra))
         elif ev == "ckpt":
-            args["fresh"] = (rnd.random() < 0.5)
+            # (a freshly built optimizer would not have the pending clip, which torch
+            # applied to the grads already)
+            args["fresh"] = (rnd.random() < 0.5) and not clipped
         elif ev == "bad_load":
             args["kind"] = rnd.choice(["shape", "groups"])
         elif ev == "rank_fail":
@@ -355,6 +371,7 @@ class _Run:
         self.snaps = []
         self.steps = 0
         self.stop = False
+        self.grads_set = False  # a clip set (and clipped) the grads the next step uses
 
     # ---------------------------------------------------------------- setup
     def build(self):
@@ -448,7 +465,9 @@ class _Run:
     def ev_step(self, skip, scale=None):
         s = self.steps
         skipf = (lambda i, _s: i in skip) if skip else None
-        self._fresh_grads(s, skipf)
+        if not self.grads_set:
+            self._fresh_grads(s, skipf)
+        self.grads_set = False
         if scale is None:
             self.opt.step()
             self.ref.step()
@@ -461,6 +480,38 @@ class _Run:
 
     def ev_kwstep(self, skip, scale):
         self.ev_step(skip, scale)
+
+    def ev_clip(self, max_norm, norm_type):
+        """Fresh grads, clipped: ours pending until the next step, torch's in place over the
+        params its optimizer holds now (events may change the layout before the step)."""
+        self._fresh_grads(self.steps)
+        self.grads_set = True
+        ours = float(self.opt.clip_grad_norm_(max_norm, norm_type=norm_type))
+        held = [p for g in self.ref.param_groups for p in g["params"]]
+        theirs = float(torch.nn.utils.clip_grad_norm_(held, max_norm, norm_type=norm_type))
+        low = any(d in ("bf16", "f16") and not _low(self.spec, i)
+                  for i, d in enumerate(self.spec["dtypes"]))
+        rtol = 1e-2 if low else 1e-5  # torch's norm of bf16 grads is bf16
+        if not (ours == theirs or abs(ours - theirs) <= rtol * abs(theirs)):
+            self.fail(f"clip_grad_norm_({max_norm}, {norm_type}) = {ours}, torch {theirs}")
+
+    def ev_replace_state(self, how):
+        """A script resetting optimizer state after a loss spike: new tensors in the state
+        dicts (halved moments, or the same step in a new tensor), in both optimizers."""
+        names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+        keys = [k for g in self.opt.optim.param_groups for k in g["params"]]
+        for state, ks in ((self.opt.optim.state, keys), (self.ref.state, self.pr)):
+            for k in ks:
+                st = state.get(k)
+                if not st:
+                    continue
+                if how == "step":
+                    if isinstance(st.get("step"), torch.Tensor):
+                        st["step"] = st["step"].detach().clone()
+                    continue
+                for n in names:
+                    if isinstance(st.get(n), torch.Tensor):
+                        st[n] = st[n] * 0.5
 
     def ev_overwrite(self, how):
         new = _make_params(self.spec, seed_offset=50_000 + len(self.log))
@@ -598,6 +649,7 @@ class _Run:
     def ev_rank_fail(self, how):
         ctx = self.ctx
         self._fresh_grads(self.steps)
+        self.grads_set = False
         bad = ctx.rank == ctx.world_size - 1
         if bad and how == "local_step":
             def boom(*a, **k):
@@ -793,6 +845,28 @@ def targeted_specs() -> list:
                                ("sd_roundtrip", {}), S], masters=True, dtypes=["bf16"] * 5,
                   sharding="param", bv=True, defaults={"lr": 1e-2, "amsgrad": True}),
         ]
+        # issue 15: a clip, then a layout change, then the step (1); state tensors replaced
+        # by the user (2)
+        clip = ("clip", {"max_norm": 0.05, "norm_type": 2.0})
+        out += [
+            _spec(w, "sgd", [S, ("freeze", {"i": 0, "stale": True}), S, clip,
+                             ("unfreeze", {"i": 0}), S, S], bv=True,
+                  defaults={"lr": 0.05, "momentum": 0.9}),
+            _spec(w, "adamw", [S, ("freeze", {"i": 2, "stale": True}), clip,
+                               ("unfreeze", {"i": 2}), S, clip, S], bv=True),
+            _spec(w, "sgd", [clip, ("add_group", {"g": 0}), S, S,
+                             ("clip", {"max_norm": 0.05, "norm_type": -float("inf")}), S],
+                  groups=[{"idx": [0, 2, 4], "hyper": {}}],
+                  later=[{"idx": [1, 3], "hyper": {"lr": 3e-3}}],
+                  defaults={"lr": 0.05, "momentum": 0.9}),
+            _spec(w, "adamw", [S, clip, ("add_group", {"g": 0}), S, S], sharding="flat",
+                  groups=[{"idx": [0, 2, 4], "hyper": {}}],
+                  later=[{"idx": [1, 3], "hyper": {"lr": 3e-3}}]),
+            _spec(w, "adamw", [S, S, ("replace_state", {"how": "halve"}), S,
+                               ("replace_state", {"how": "step"}), S], sharding="flat"),
+            _spec(w, "fused", [S, S, ("replace_state", {"how": "halve"}), S, S],
+                  defaults={"lr": 1e-2, "amsgrad": True}, bv=True),
+        ]
         if w > 1:
             out += [
                 _spec(w, "sgd", [S, ("rank_fail", {"how": "local_step"}), S],
@@ -844,7 +918,8 @@ def test_harness_draws_every_kind_of_event():
     specs = draw_specs(400, seed=None)
     evs = {e[0] for s in specs for e in s["events"]}
     need = {"step", "kwstep", "overwrite", "freeze", "unfreeze", "zero_grad", "add_group", "lr",
-            "hyper", "sched", "sd_roundtrip", "ckpt", "bad_load", "foreign_ckpt", "rank_fail"}
+            "hyper", "sched", "sd_roundtrip", "ckpt", "bad_load", "foreign_ckpt", "rank_fail",
+            "clip", "replace_state"}
     assert need <= evs, f"never drawn: {need - evs}"
     assert any(s["ddp_init"] for s in specs) and any(s["tie"] for s in specs)
     assert {s["cls"] for s in specs} == {"sgd", "adam", "adamw", "fused", "custom"}
@@ -857,3 +932,17 @@ def test_harness_draws_every_kind_of_event():
     assert any(any(e[0] == "hyper" and e[1]["key"] == "weight_decay" for e in s["events"])
                for s in specs if s["cls"] == "adam")
     assert any(any(e[0] == "freeze" and e[1]["stale"] for e in s["events"]) for s in specs)
+    # a clip, then a layout change (freeze, unfreeze, add_param_group), then the step
+    def clip_then_layout(events):
+        pending = False
+        for ev, _ in events:
+            if ev == "clip":
+                pending = True
+            elif ev in ("step", "kwstep", "rank_fail", "zero_grad"):
+                pending = False
+            elif pending and ev in ("freeze", "unfreeze", "add_group"):
+                return True
+        return False
+    assert sum(clip_then_layout(s["events"]) for s in specs) >= 10
+    assert {e[1]["norm_type"] for s in specs for e in s["events"] if e[0] == "clip"} == {
+        2.0, 1.0, float("inf"), -float("inf")}

@@ -8,11 +8,19 @@ the failure was a ValueError, naming the rank), and nothing irreversible has hap
 """
 from __future__ import annotations
 
+import datetime
+import hashlib
+import logging
+import os
+import time
+
 import torch
 import torch.distributed as dist
 
 from .groups import digest, first_difference
 from .sync import backend_device
+
+logger = logging.getLogger("zero_ext")
 
 
 def agree(group, world_size: int, error: BaseException | None, what: str,
@@ -72,3 +80,50 @@ def agree_on_inputs(group, world_size: int, error: BaseException | None, lines: 
     diffs = [f"rank {r}: {d}" for r, d in enumerate(everyone) if d is not None]
     raise RuntimeError(f"{what}: ranks were given different parameters, groups or "
                        "hyperparameters (compared with rank 0): " + "; ".join(diffs))
+
+
+# rendezvous: how long a rank waits for the others before an error, and between warnings
+RENDEZVOUS_TIMEOUT_S = float(os.environ.get("ZERO_EXT_RENDEZVOUS_TIMEOUT_S", "1800"))
+RENDEZVOUS_WARN_S = float(os.environ.get("ZERO_EXT_RENDEZVOUS_WARN_S", "60"))
+_rendezvous_calls: dict = {}
+
+
+def rendezvous(group, world_size: int, rank: int, what: str, hint: str) -> None:
+    """Wait until every rank of `group` has reached this point (the n-th `what` on this
+    group), through the default store rather than a collective: before a collective that
+    scripts may call on one rank only (state_dict() without consolidate_state_dict()), so
+    that a missing rank gives a warning naming it, with `hint`, every RENDEZVOUS_WARN_S
+    seconds and a RuntimeError after RENDEZVOUS_TIMEOUT_S, instead of a silent hang."""
+    if world_size == 1 or not dist.is_initialized():
+        return
+    group = group if group is not None else dist.group.WORLD
+    if dist.get_backend(group) == "fake":
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store to meet in: the collective itself waits
+        return
+    # the group's name is the same on every rank (groups are created in the same order)
+    name = dist.distributed_c10d._get_process_group_name(group)
+    n = _rendezvous_calls[(name, what)] = _rendezvous_calls.get((name, what), 0) + 1
+    tag = hashlib.sha256(name.encode()).hexdigest()[:16]
+    keys = [f"zero_ext/rendezvous/{what}/{tag}/{n}/{r}" for r in range(world_size)]
+    store.set(keys[rank], "1")
+    start = time.monotonic()
+    while True:
+        waited = time.monotonic() - start
+        step = max(0.1, min(RENDEZVOUS_WARN_S, RENDEZVOUS_TIMEOUT_S - waited))
+        try:
+            store.wait(keys, datetime.timedelta(seconds=step))
+            return
+        except RuntimeError:  # the store's timeout
+            pass
+        waited = time.monotonic() - start
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            return
+        msg = (f"{what}: rank {rank} has waited {waited:.0f} s for ranks {missing} of its "
+               f"process group to call it too; {hint}")
+        if waited >= RENDEZVOUS_TIMEOUT_S:
+            raise RuntimeError(msg + " (ZERO_EXT_RENDEZVOUS_TIMEOUT_S)")
+        logger.warning("zero_ext: %s", msg)

@@ -260,27 +260,33 @@ class ShardPlan:
         after bucket views were attached: flat keys view the params' current memory."""
         old = {(lp.param_id, lp.start): lp for lp in self.local}
         local: list[LocalPiece] = []
-        placed = set()
-        for bi, b in enumerate(self.buckets):
-            for pc in b.pieces(self.rank):
-                placed.add(pc.param_id)
-                prev = old.get((pc.param_id, pc.start))
-                if self.sharding == PARAM:
-                    key = self.params[pc.param_id]
-                elif prev is not None:
-                    key = prev.key
-                else:
-                    key = self.element_view(pc.param_id, pc.start, pc.length)
-                local.append(LocalPiece(key, pc.param_id, pc.start, pc.length,
-                                        self.group_of[pc.param_id], bi, pc.bucket_start))
-        if self.sharding == PARAM:
-            # Owned params outside the buckets (frozen ones with bucket views, params over
-            # another's memory) still step when they hold a grad, as in torch.
-            for pid, r in enumerate(self.owner):
-                if r == self.rank and pid not in placed:
-                    p = self.params[pid]
-                    local.append(LocalPiece(p, pid, 0, p.numel(), self.group_of[pid], -1, 0))
+        for pid, start, length, bi, bucket_start in self.pieces_of(self.rank):
+            prev = old.get((pid, start))
+            if self.sharding == PARAM:
+                key = self.params[pid]
+            elif prev is not None:
+                key = prev.key
+            else:
+                key = self.element_view(pid, start, length)
+            local.append(LocalPiece(key, pid, start, length, self.group_of[pid], bi,
+                                    bucket_start))
         self.local = local
+
+    def pieces_of(self, rank: int) -> list[tuple[int, int, int, int, int]]:
+        """What rank `rank`'s local optimizer steps, as (param_id, start, length, bucket,
+        bucket_start): its range of every bucket, then ("param" mode) the params it owns
+        outside the buckets (frozen ones with bucket views, params over another's memory),
+        which still step when they hold a grad, as in torch (bucket -1)."""
+        out, placed = [], set()
+        for bi, b in enumerate(self.buckets):
+            for pc in b.pieces(rank):
+                placed.add(pc.param_id)
+                out.append((pc.param_id, pc.start, pc.length, bi, pc.bucket_start))
+        if self.sharding == PARAM:
+            for pid, r in enumerate(self.owner):
+                if r == rank and pid not in placed:
+                    out.append((pid, 0, self.params[pid].numel(), -1, 0))
+        return out
 
     def rebind(self, param_ids: set[int]) -> None:
         """Flat mode: re-point the keys of these params at their current memory (after

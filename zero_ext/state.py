@@ -15,6 +15,9 @@ This module owns three things:
   memory: full state + one chunk on `to`, one chunk elsewhere (none when every message is
   a view of a single state tensor, the usual case for big params).
 - `load(opt, torch_format_dict)` and `install(...)`: put state into the local optimizer.
+  Where only some ranks hold the dict and the others the placeholder that `state_dict()`
+  returns away from the consolidating rank (`placeholder`), one holder sends every other
+  rank its share (`_scatter`): a load never needs the whole state on every rank.
 """
 from __future__ import annotations
 
@@ -24,13 +27,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from . import layout
 from .agree import agree
 from .engine import MASTER, keep_loaded_state
 from .fused_adamw import FusedAdamW
 from .groups import copy_hyperparameters, hyperparameters
-from .sync import gather_objects, recv_segments, send_segments
+from .sync import backend_device, gather_objects, recv_segments, send_segments
 
 if TYPE_CHECKING:  # pragma: no cover
     from .zero import ZeroRedundancyOptimizer
@@ -215,6 +219,25 @@ def torch_format(opt: "ZeroRedundancyOptimizer", full_state: dict) -> dict:
     return {"state": full_state, "param_groups": torch_groups(opt)}
 
 
+# state_dict() away from the rank the state was consolidated on returns this
+PLACEHOLDER_KEY = "zero_ext_placeholder"
+
+
+def placeholder(opt: "ZeroRedundancyOptimizer", to: int) -> dict:
+    """What state_dict() returns on the ranks that did not receive the consolidated state:
+    where it is, and no "state" key, so that it cannot pass for a state dict (torch's
+    load_state_dict raises KeyError on it). load_state_dict takes it: the ranks holding the
+    real dict send the others their shares."""
+    g = to if opt.process_group is None else dist.get_global_rank(opt.process_group, to)
+    return {PLACEHOLDER_KEY: {"consolidated_on_group_rank": to, "global_rank": g,
+                              "world_size": opt.world_size}}
+
+
+def is_placeholder(state_dict) -> bool:
+    return (isinstance(state_dict, dict) and PLACEHOLDER_KEY in state_dict
+            and "state" not in state_dict)
+
+
 def torch_groups(opt: "ZeroRedundancyOptimizer") -> list[dict]:
     groups, start = [], 0
     for g in opt.param_groups:
@@ -252,6 +275,7 @@ def install(opt: "ZeroRedundancyOptimizer", saved_groups: list[dict],
     stepper = getattr(opt, "_stepper", None)
     if stepper is not None and hasattr(stepper, "reset"):
         stepper.reset()
+    opt._state_changed()
 
 
 def _keep_master_state(opt: "ZeroRedundancyOptimizer", local_states: dict[int, dict]) -> None:
@@ -365,31 +389,102 @@ def load(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> None:
 
     Collective: every rank validates the whole dict (every param's state keys and sizes,
     not only its own share) and the ranks agree before anything is installed, so a bad
-    dict raises the same error on every rank and leaves the optimizer unchanged."""
-    error, local_state_ = None, {}
+    dict raises the same error on every rank and leaves the optimizer unchanged. Ranks
+    given the placeholder of `state_dict()` receive their share from the lowest rank that
+    holds a real dict (every rank's share comes from that one dict then)."""
+    holder = not is_placeholder(state_dict)
+    error, saved, local_state_ = None, None, {}
     try:
-        saved = _check_and_map(opt, state_dict)
-        idx = 0
-        for gi in range(len(opt.param_groups)):
-            for lp in opt.plan.local_pieces(gi):
-                st = _piece_state(opt.plan, lp, saved)
-                if st:
-                    local_state_[idx] = st
-                idx += 1
+        if holder:
+            saved = _check_and_map(opt, state_dict)
+            local_state_ = _local_states(opt.plan, opt.plan.pieces_of(opt.rank), saved,
+                                         len(opt.param_groups))
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = exc
-    agree(opt.process_group, opt.world_size, error, "load_state_dict")
-    install(opt, state_dict["param_groups"], local_state_, class_policy=True)
+    world = opt.world_size
+    holders, placeholders, first = agree(
+        opt.process_group, world, error, "load_state_dict",
+        (int(holder), int(not holder), world - opt.rank if holder else 0))
+    saved_groups = state_dict["param_groups"] if holder else None
+    if placeholders:
+        if not holders:
+            raise ValueError(
+                "load_state_dict: every rank was given the placeholder that state_dict() "
+                "returns on ranks that did not receive the consolidated state; load the "
+                "dict saved from the consolidating rank (rank 0) on at least one rank")
+        local_state_, saved_groups = _scatter(opt, world - first, saved, saved_groups,
+                                              local_state_)
+    install(opt, saved_groups, local_state_, class_policy=True)
 
 
-def _piece_state(plan: layout.ShardPlan, lp: layout.LocalPiece, saved: dict) -> dict:
-    """The state of one local piece: a copy of the saved per-param state, per-element
-    values cut to the piece's elements (flat mode). Never aliases the caller's tensors."""
-    s = saved.get(lp.param_id)
+def _local_states(plan: layout.ShardPlan, pieces, saved: dict, n_groups: int) -> dict:
+    """{local index: state} of the pieces `pieces` (plan.pieces_of(r)) of some rank r, in
+    the order of r's local optimizer (group by group, param order within each)."""
+    out, idx = {}, 0
+    for gi in range(n_groups):
+        for pid, start, length in sorted((pc[0], pc[1], pc[2]) for pc in pieces
+                                         if plan.group_of[pc[0]] == gi):
+            st = _slice_state(plan, pid, start, length, saved)
+            if st:
+                out[idx] = st
+            idx += 1
+    return out
+
+
+def _scatter(opt: "ZeroRedundancyOptimizer", src: int, saved: dict | None,
+             saved_groups: list | None, mine: dict) -> tuple[dict, list]:
+    """Rank `src` (which holds the real dict) sends every other rank its local state:
+    first its description (names, dtypes, shapes, scalars, the saved groups) as an object,
+    then the tensors as bounded point-to-point messages (sync.send_segments). Returns this
+    rank's (local state, saved param groups)."""
+    group, plan = opt.process_group, opt.plan
+    dev = backend_device(group)
+    if opt.rank == src:
+        for r in range(opt.world_size):
+            if r == src:
+                continue
+            states = _local_states(plan, plan.pieces_of(r), saved, len(opt.param_groups))
+            tensors, descs, scalars = [], [], {}
+            for idx, st in states.items():
+                for name, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        t = v.detach().reshape(-1)
+                        tensors.append(t if t.device == dev else t.to(dev))
+                        descs.append((idx, name, 0, t.numel(), str(t.dtype), tuple(v.shape)))
+                    else:
+                        scalars.setdefault(idx, {})[name] = _portable(v)
+            order = {idx: list(st) for idx, st in states.items()}
+            desc = [{"segs": descs, "scalars": scalars, "order": order,
+                     "groups": saved_groups}]
+            dist.send_object_list(desc, dst=dist.get_global_rank(group, r), group=group)
+            send_segments(group, tensors, descs, r, CONSOLIDATE_CHUNK)
+        return mine, saved_groups
+    box = [None]
+    dist.recv_object_list(box, src=dist.get_global_rank(group, src), group=group)
+    desc = box[0]
+    dests = [torch.empty(d[3], dtype=_dtype(d[4]), device=dev) for d in desc["segs"]]
+    recv_segments(group, desc["segs"], dests, src, CONSOLIDATE_CHUNK)
+    values: dict[int, dict] = {}
+    for d, t in zip(desc["segs"], dests):
+        values.setdefault(d[0], {})[d[1]] = t.view(d[5])
+    for idx, sc in desc["scalars"].items():
+        values.setdefault(idx, {}).update(sc)
+    local = {idx: {k: values[idx][k] for k in names if k in values[idx]}
+             for idx, names in desc["order"].items()}
+    return local, desc["groups"]
+
+
+def _slice_state(plan: layout.ShardPlan, pid: int, start: int, length: int,
+                 saved: dict) -> dict:
+    """The state of one piece (elements [start, start+length) of param `pid`): a copy of the
+    saved per-param state, per-element values cut to the piece and shaped like its key (the
+    param's own shape in "param" mode, 1-D in "flat"). Never aliases the caller's tensors."""
+    s = saved.get(pid)
     if not s:
         return {}
-    numel = plan.params[lp.param_id].numel()
-    # per-element values take the key's shape: the param's own (param mode) or 1-D (flat)
-    return {k: (v.detach().reshape(-1)[lp.start:lp.start + lp.length].clone()
-                .view(lp.key.shape) if _is_per_element(v, numel) else _clone(v))
+    p = plan.params[pid]
+    numel = p.numel()
+    shape = p.shape if plan.sharding == layout.PARAM else (length,)
+    return {k: (v.detach().reshape(-1)[start:start + length].clone().view(shape)
+                if _is_per_element(v, numel) else _clone(v))
             for k, v in s.items()}

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from . import agree as agree_mod
 from . import grad_norm
 from . import groups as groups_mod
 from . import kernels, layout, state
@@ -173,7 +174,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._all_params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._replicas = Replicas(Exchanger(self.process_group, self.rank, self.world_size),
                                   self.parameters_as_bucket_view)
-        self._consolidated: dict | None = None
+        self._consolidated: dict | None = None  # the full state, on the rank it went to
+        # State dicts: _state_epoch counts changes of the state (steps, loads, new groups);
+        # _consolidation is (epoch, to) of the last consolidate_state_dict; _had_state tells
+        # whether any state can exist (a step or a load happened).
+        self._state_epoch, self._had_state = 0, False
+        self._consolidation: tuple[int, int] | None = None
         # seconds of the last step: local update, time waiting for the exchange, total
         self.last_step_timings: dict[str, float] = {}
         self._stepper: FusedShardStep | None = None  # built at the first fused step
@@ -332,6 +338,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self.optim.add_param_group({**groups_mod.hyperparameters(self.param_groups[gi]),
                                         "params": self.plan.local_keys(gi)})
         self._adopt_optimizer_defaults()
+        self._state_epoch += 1
 
     def _layout_changed(self, fresh_buffers: bool) -> None:
         """After the plan gained buckets (add_param_group) or rebuilt them (trainable
@@ -385,6 +392,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 with torch.enable_grad():
                     return closure()
             return None
+        self._state_changed()
         error, loss = None, None
         t0 = time.perf_counter()
         # Decided from what every rank shares (all params, the groups, kwargs), so every
@@ -598,19 +606,55 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # ------------------------------------------------------------------ checkpoints
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Collect the full optimizer state on rank `to` (call on every rank)."""
+        """Collect the full optimizer state on rank `to` of the process group (call it on
+        every rank); state_dict() on that rank then returns it, as in torch."""
         self._consolidated = state.consolidate(self, to)
+        self._consolidation = (self._state_epoch, to)
+
+    def _state_changed(self) -> None:
+        """A step, a load or a new param group: an earlier consolidation is out of date."""
+        self._state_epoch += 1
+        self._had_state = True
 
     def state_dict(self) -> dict:
-        """The consolidated state in plain torch format (after consolidate_state_dict)."""
-        if self._consolidated is None:
-            raise RuntimeError(
-                "Optimizer state has not been consolidated on this rank. Please call "
-                f"`consolidate_state_dict(to={self.rank})` on all ranks beforehand if you "
-                "meant to save the global state.")
-        return state.torch_format(self, self._consolidated)
+        """The full state in plain torch format, on the rank it was consolidated on.
+
+        - After ``consolidate_state_dict(to)`` on every rank (and no step since), rank `to`
+          gets the consolidated state without any communication (torch's behaviour: what
+          Lightning and scripts written for torch's ZeRO do), the other ranks a placeholder
+          (a small dict without a "state" key that tells where the state is; torch raises
+          there).
+        - Before any step or load there is no state anywhere: every rank gets the same
+          plain dict with empty state (accelerate's prepare() asks for it on every rank).
+        - Otherwise state_dict() is collective, as accelerate's save_state() calls it on
+          every rank: the state is consolidated on rank 0 for this call only (not kept),
+          which returns it; the other ranks return the placeholder. A rank that calls it
+          alone waits for the others, with a warning naming them every minute (HF Trainer
+          saves from the main process only: see zero_ext.integrations.transformers).
+
+        load_state_dict() accepts the placeholder on the ranks that do not hold the dict.
+        """
+        fresh = self._consolidation is not None and self._consolidation[0] == self._state_epoch
+        if fresh and self._consolidated is not None:
+            return state.torch_format(self, self._consolidated)
+        if fresh:
+            return state.placeholder(self, self._consolidation[1])
+        if not self._had_state:
+            return state.torch_format(self, {})
+        self._consolidated = self._consolidation = None  # out of date: free it
+        agree_mod.rendezvous(
+            self.process_group, self.world_size, self.rank, "ZeroRedundancyOptimizer.state_dict",
+            "without consolidate_state_dict() on every rank first, state_dict() gathers the "
+            "state itself and needs every rank of the process group (as accelerate's "
+            "save_state() does). A framework that saves from the main process only needs "
+            "consolidate_state_dict() on every rank before its save (HF Trainer: "
+            "zero_ext.integrations.transformers.ZeroCheckpointCallback)")
+        full = state.consolidate(self, 0)
+        return state.torch_format(self, full) if self.rank == 0 else state.placeholder(self, 0)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a torch-format optimizer state dict (from us, torch's ZeRO, or a plain
-        torch optimizer); the caller's dict is not modified."""
+        torch optimizer); the caller's dict is not modified. Collective. Ranks that hold
+        the placeholder state_dict() returned away from rank 0 receive their share from a
+        rank that holds the real dict."""
         state.load(self, state_dict)

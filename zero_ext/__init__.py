@@ -1,6 +1,7 @@
 """zero_ext: a faster, balanced drop-in for torch.distributed.optim.ZeroRedundancyOptimizer."""
 
-__all__ = ["ZeroRedundancyOptimizer", "FusedAdamW", "native_status", "load_native"]
+__all__ = ["ZeroRedundancyOptimizer", "FusedAdamW", "hybrid_groups", "native_status",
+           "load_native"]
 __version__ = "0.1.0"
 
 
@@ -38,4 +39,8 @@ def __getattr__(name):  # lazy, so `import zero_ext.kernels` does not pull in th
         from .fused_adamw import FusedAdamW
 
         return FusedAdamW
+    if name == "hybrid_groups":
+        from .hybrid import hybrid_groups
+
+        return hybrid_groups
     raise AttributeError(f"module 'zero_ext' has no attribute {name!r}")

@@ -21,17 +21,28 @@ Atomicity: save writes into "<path>.zero_ext-tmp", then rank 0 renames the previ
 checkpoint to "<path>.zero_ext-old", the new one to <path>, and deletes the old one. A save
 interrupted at any point leaves a complete checkpoint at <path> (or, between the two renames,
 at "<path>.zero_ext-old", which load and the next save recover).
+
+Hybrid layouts (the optimizer shards over a part of the job, e.g. one node, and every node
+holds a replica): save and load are collective over the whole job by default (see
+zero_ext.hybrid.job_of). The replicas hold identical shards under identical keys, so DCP's
+planner writes every stored item once and spreads the writing over the replicas; rank 0 of
+the job writes the metadata and swaps the directories; a failure on any rank raises on
+every rank of the job. The checkpoint does not depend on the layout: it loads into any
+other (another number of nodes, ranks per node, or sharding mode).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from .. import state
-from ..agree import agree
+from ..agree import agree, rendezvous
+from ..hybrid import Job, job_of
 from ..state import zero_gaps
 from ..sync import gather_objects
 from .format import (FORMAT, META_NAME, OLD_SUFFIX, SAVE_CHUNK, TMP_SUFFIX,  # noqa: F401
@@ -54,9 +65,52 @@ _before_swap: Callable[[str], None] | None = None
 __all__ = ["save", "load", "load_full", "convert", "is_checkpoint", "read_meta", "main"]
 
 
-def _agree(opt, error: BaseException | None, what: str) -> None:
-    """Every rank learns whether any rank failed (one small collective), and raises."""
-    agree(opt.process_group, opt.world_size, error, what, peer_value_error=True)
+def _agree(job: Job, error: BaseException | None, what: str) -> None:
+    """Every rank of the job learns whether any rank failed (one small collective), and
+    raises."""
+    agree(job.group, job.world, error, what, peer_value_error=True)
+
+
+def _fingerprint(opt) -> str:
+    """What must be equal on every rank of a job for their shards to be replicas."""
+    cls = opt.optimizer_class
+    text = repr((f"{cls.__module__}.{cls.__qualname__}", opt.sharding, opt.world_size,
+                 [(tuple(p.shape), str(p.dtype), g)
+                  for p, g in zip(opt.plan.params, opt.plan.group_of)]))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _join_job(opt, job: Job, path: str, what: str) -> BaseException | None:
+    """The ranks of `job` meet (a store rendezvous first: a rank that never calls gives a
+    warning naming it instead of a silent hang), and check that they save or load one
+    checkpoint of replicas of one optimizer, each complete shard group inside the job.
+    Returns this rank's error (raised on every rank by the caller's agreement)."""
+    if job.world == 1:
+        return None
+    rendezvous(job.group, job.world, job.rank, what,
+               "every rank of the job calls it: when the optimizer shards over a part of the "
+               "job (shard within a node, replicate across nodes), that is every rank of the "
+               "default process group; pass process_group= to name the ranks that save "
+               "together")
+    shard = (tuple(dist.get_process_group_ranks(opt.process_group))
+             if opt.process_group is not None else (dist.get_rank(),))
+    everyone: list = [None] * job.world
+    dist.all_gather_object(everyone, (path, _fingerprint(opt), shard), group=job.group)
+    members = set(dist.get_process_group_ranks(job.group))
+    paths = sorted({e[0] for e in everyone})
+    if len(paths) > 1:
+        return ValueError(f"{what}: the ranks of the job were given different paths {paths}; "
+                          "every rank that takes part passes the same path (or pass "
+                          "process_group= to save each group separately)")
+    if len({e[1] for e in everyone}) > 1:
+        return ValueError(f"{what}: the ranks of the job hold different optimizers (params, "
+                          "groups, optimizer class, sharding or shard count differ): they "
+                          "cannot write one checkpoint; pass process_group=")
+    outside = sorted({r for e in everyone for r in e[2]} - members)
+    if outside:
+        return ValueError(f"{what}: ranks {outside} shard the optimizer with ranks of this job "
+                          "but do not take part in it; every rank of a shard group must")
+    return None
 
 
 def _fsync_dir(path: str) -> None:
@@ -97,37 +151,43 @@ def _swap(path: str, tmp: str, old: str) -> None:
 
 
 def save(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
-         sync_files: bool = True) -> None:
+         sync_files: bool = True, process_group: Any = None) -> None:
     """Write the optimizer's state to the directory `path`, every rank its own share.
 
-    Collective: call on every rank of the optimizer's process group, with the same path on a
-    filesystem they share. No rank gathers the state. Atomic: if this raises or the job dies,
-    the previous checkpoint at `path` is still there, complete. `sync_files` fsyncs the files.
+    Collective: call on every rank of the job with the same path on a filesystem they
+    share. The job is the optimizer's process group, or the whole default group when the
+    optimizer shards over a part of it (a hybrid layout: see zero_ext.hybrid); pass
+    `process_group` to name it. No rank gathers the state; replicas write each shard once.
+    Atomic: if this raises or the job dies, the previous checkpoint at `path` is still there,
+    complete. `sync_files` fsyncs the files.
     """
     import torch.distributed.checkpoint as dcp
 
     opt = optimizer
     path = os.path.abspath(os.fspath(path))
+    job = job_of(opt, process_group)
     tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
-    error, items, desc = None, {}, {}
+    error = _join_job(opt, job, path, "zero_ext.checkpoint.save")
+    items, desc = {}, {}
     try:
-        if opt.rank == 0:
-            _prepare(path, tmp, old)
-        items, desc = _save_items(opt, state.local_state(opt))
+        if error is None:
+            if job.rank == 0:
+                _prepare(path, tmp, old)
+            items, desc = _save_items(opt, state.local_state(opt))
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = exc
-    _agree(opt, error, "zero_ext.checkpoint.save")
+    _agree(job, error, "zero_ext.checkpoint.save")
 
     with _quiet_single_process():
         dcp.save(items, storage_writer=dcp.FileSystemWriter(tmp, sync_files=sync_files),
-                 process_group=opt.process_group, no_dist=opt.process_group is None)
-    descs = gather_objects(desc, 0, opt.process_group, opt.world_size)
+                 process_group=job.group, no_dist=job.group is None)
+    descs = gather_objects(desc, 0, job.group, job.world)
     error = None
-    if opt.rank == 0:
+    if job.rank == 0:
         try:
             meta_file = os.path.join(tmp, META_NAME)
             with open(meta_file, "wb") as f:
-                torch.save(_build_meta(opt, descs), f)
+                torch.save(_build_meta(opt, descs, replicas=job.world // opt.world_size), f)
                 if sync_files:
                     f.flush()
                     os.fsync(f.fileno())
@@ -136,31 +196,39 @@ def save(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
             _swap(path, tmp, old)
         except Exception as exc:  # noqa: BLE001
             error = exc
-    _agree(opt, error, "zero_ext.checkpoint.save")
+    _agree(job, error, "zero_ext.checkpoint.save")
 
 
-def load(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike) -> None:
-    """Load a checkpoint written by `save`, at any world size and in either sharding mode.
+def load(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
+         process_group: Any = None) -> None:
+    """Load a checkpoint written by `save`, at any world size, layout (shard groups and
+    replicas) and either sharding mode.
 
-    Collective: call on every rank. Each rank reads only the elements it owns now. If the
-    checkpoint does not fit the optimizer (param count, group count, shapes, dtypes), every
-    rank raises the same ValueError naming the mismatch and the optimizer is unchanged.
+    Collective over the job, as `save`. Each rank reads only the elements it owns now. If
+    the checkpoint does not fit the optimizer (param count, group count, shapes, dtypes),
+    every rank of the job raises the same ValueError naming the mismatch and the optimizer
+    is unchanged.
     """
     opt = optimizer
-    error, reads, local, meta, where = None, None, None, None, None
+    path = os.path.abspath(os.fspath(path))
+    job = job_of(opt, process_group)
+    error = _join_job(opt, job, path, "zero_ext.checkpoint.load")
+    reads, local, meta, where = None, None, None, None
     try:
-        where = _existing(os.path.abspath(os.fspath(path)))
-        meta = read_meta(where)
-        problems = _mismatches(opt, meta)
-        if problems:
-            raise ValueError(f"zero_ext.checkpoint.load: the checkpoint at {where} does not "
-                             "fit the optimizer: " + "; ".join(problems[:8])
-                             + (f"; and {len(problems) - 8} more" if len(problems) > 8 else ""))
-        reads, local = _plan_load(opt, meta)
+        if error is None:
+            where = _existing(path)
+            meta = read_meta(where)
+            problems = _mismatches(opt, meta)
+            if problems:
+                raise ValueError(f"zero_ext.checkpoint.load: the checkpoint at {where} does "
+                                 "not fit the optimizer: " + "; ".join(problems[:8])
+                                 + (f"; and {len(problems) - 8} more" if len(problems) > 8
+                                    else ""))
+            reads, local = _plan_load(opt, meta)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = exc
-    _agree(opt, error, "zero_ext.checkpoint.load")
-    _read(where, reads, opt.process_group, opt.process_group is None, DIRECT_READS)
+    _agree(job, error, "zero_ext.checkpoint.load")
+    _read(where, reads, job.group, job.group is None, DIRECT_READS)
     state.install(opt, meta["param_groups"], local)
 
 

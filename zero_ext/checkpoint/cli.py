@@ -19,8 +19,9 @@ def _info(path: str) -> str:
             k *= int(d)
         numel += k
     lines = [f"zero_ext optimizer checkpoint {os.path.abspath(path)}",
-             f"  saved by {meta['optimizer_class']} at world size {meta['world_size']}, "
-             f"sharding={meta['sharding']!r}",
+             f"  saved by {meta['optimizer_class']} at world size {meta['world_size']}"
+             + (f" x {meta['replicas']} replicas" if meta.get("replicas", 1) > 1 else "")
+             + f", sharding={meta['sharding']!r}",
              f"  {n} params ({numel:,} elements) in {len(meta['param_groups'])} groups, "
              f"state for {len(meta['state'])} params"]
     for gi, g in enumerate(meta["param_groups"]):

@@ -96,8 +96,11 @@ def _save_items(opt, local) -> tuple[dict, dict]:
     return items, desc
 
 
-def _build_meta(opt, descs: list[dict]) -> dict:
+def _build_meta(opt, descs: list[dict], replicas: int = 1) -> dict:
+    """The metadata of a checkpoint from every saving rank's description (replicas of a
+    shard describe the same chunks under the same keys: each is listed once)."""
     st: dict[int, dict] = {}
+    seen: set = set()
     for d in descs:
         for pid, names in d["order"].items():
             st.setdefault(pid, {"order": list(names), "scalars": {}, "elems": {},
@@ -106,6 +109,9 @@ def _build_meta(opt, descs: list[dict]) -> dict:
             for k, v in sc.items():
                 st[pid]["scalars"].setdefault(k, v)
         for pid, name, start, length, key, dt in d["chunks"]:
+            if key in seen:
+                continue
+            seen.add(key)
             st[pid]["elems"].setdefault(name, []).append((start, length, key))
             st[pid]["dtypes"][name] = dt
         for pid, name, key, shape, dt in d["wholes"]:
@@ -117,7 +123,7 @@ def _build_meta(opt, descs: list[dict]) -> dict:
     cls = opt.optimizer_class
     return {
         "format": FORMAT, "version": VERSION,
-        "world_size": opt.world_size, "sharding": opt.sharding,
+        "world_size": opt.world_size, "replicas": replicas, "sharding": opt.sharding,
         "optimizer_class": f"{cls.__module__}.{cls.__qualname__}",
         "params": [(tuple(p.shape), _dtype_name(p.dtype), g)
                    for p, g in zip(opt.plan.params, opt.plan.group_of)],

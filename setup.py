@@ -103,12 +103,13 @@ setup(
     name="zero_ext",
     version="0.1.0",
     description="A faster, balanced drop-in for torch.distributed.optim.ZeroRedundancyOptimizer",
-    packages=["zero_ext", "zero_ext.kernels", "zero_ext.checkpoint"],
+    packages=["zero_ext", "zero_ext.kernels", "zero_ext.checkpoint", "zero_ext.integrations"],
     python_requires=">=3.9",
     # Same lists as requirements.txt / requirements-test.txt, without the torch pin (any
     # recent torch; the compiled ops are built against the one installed).
     install_requires=["torch", "numpy", "ninja"],
-    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "accelerate==1.15.0",
+                             "transformers==5.23.0", "pytorch-lightning==2.6.6"]},
     ext_modules=_extensions(),
     cmdclass=_cmdclass(),
     zip_safe=False,

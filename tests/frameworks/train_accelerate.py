@@ -6,7 +6,6 @@ and the consolidated optimizer state (rank 0) to --out."""
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 from common import param_groups, sequences, TinyLM, write_result  # noqa: I001

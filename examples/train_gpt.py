@@ -5,6 +5,11 @@
     torchrun --nproc_per_node 2 examples/train_gpt.py --torch-zero   # torch's ZeRO, to compare
     torchrun --nproc_per_node 2 examples/train_gpt.py --dtype bf16 --master-weights
                                                 # bf16 params, fp32 masters + state per owner
+    torchrun --nnodes 2 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint HOST:PORT \
+        examples/train_gpt.py --shard-within-node --ckpt ckpt --save-every 100
+                                                # shard within each node, replicate across
+    torchrun --nproc_per_node 4 examples/train_gpt.py --shard-within-node \
+        --resume-from ckpt/step-100             # resume on another layout (1 node of 4)
 
 The data is generated in-process and has structure a transformer can learn, so the loss
 clearly falls: every sequence is either an arithmetic progression modulo the vocabulary
@@ -17,6 +22,16 @@ the loss is computed in float32). --master-weights passes master_weights=True: t
 owns each element keeps a float32 master copy and float32 AdamW state, and the params receive
 the master rounded to nearest even. Without it, AdamW steps the bf16 params directly (state in
 bf16 too), and updates smaller than half a bf16 ulp of a weight are lost.
+
+--shard-within-node shards the optimizer state over the ranks of each node only
+(zero_ext.hybrid_groups(): the shard group is the node, LOCAL_WORLD_SIZE ranks) while DDP
+averages the grads over the whole job, so every node holds a replica of the state and the
+parameter exchange after each step stays inside the node. --ckpt DIR --save-every N writes
+DIR/step-N/: the model (rank 0), the optimizer (zero_ext.checkpoint: every rank its share,
+each shard once across the replicas), the scheduler and step, and every rank's data stream;
+--resume-from DIR/step-N continues from there, at any layout (other node count, ranks per
+node or sharding mode) as long as the world size is the same (each rank's data stream is
+restored by rank).
 
 Printed: after the first step, per rank, the bytes per param this rank holds (its params, their
 grads and every tensor of its optimizer state, masters included, measured from the tensors and
@@ -182,6 +197,45 @@ def report_bytes_per_param(model: nn.Module, opt, n_params: int, rank: int, worl
                   f"{total / 2**20:.3f} MiB", flush=True)
 
 
+def save(path: str, step: int, model: nn.Module, opt, sched, gen: torch.Generator,
+         rank: int) -> None:
+    """A training checkpoint (collective): the optimizer through zero_ext.checkpoint (every
+    rank writes its share; in a hybrid layout each shard once), the model and the scheduler
+    from rank 0, every rank's data stream; "done" last, so a directory without it is
+    incomplete."""
+    from zero_ext import checkpoint
+
+    os.makedirs(path, exist_ok=True)
+    checkpoint.save(opt, os.path.join(path, "optimizer"))
+    torch.save({"gen": gen.get_state()}, os.path.join(path, f"data_rank{rank}.pt"))
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "sched": sched.state_dict(), "step": step},
+                   os.path.join(path, "train.pt"))
+    dist.barrier()
+    if rank == 0:
+        open(os.path.join(path, "done"), "w").close()
+        print(f"saved {path}", flush=True)
+
+
+def resume(path: str, model: nn.Module, opt, sched, gen: torch.Generator, rank: int,
+           world: int) -> int:
+    """Load what `save` wrote (collective); returns the step to continue from."""
+    from zero_ext import checkpoint
+
+    if not os.path.exists(os.path.join(path, "done")):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no 'done' file)")
+    data = os.path.join(path, f"data_rank{rank}.pt")
+    if not os.path.exists(data) or os.path.exists(os.path.join(path, f"data_rank{world}.pt")):
+        raise ValueError(f"{path} was saved at another world size: each rank's data stream "
+                         "is restored by rank, so resume with the same number of ranks")
+    train = torch.load(os.path.join(path, "train.pt"), weights_only=True)
+    model.load_state_dict(train["model"])  # every rank, in place: the optimizer follows
+    checkpoint.load(opt, os.path.join(path, "optimizer"))
+    sched.load_state_dict(train["sched"])
+    gen.set_state(torch.load(data, weights_only=True)["gen"])
+    return int(train["step"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -215,10 +269,26 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cpu uses gloo, cuda uses nccl with one GPU per rank")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
+    ap.add_argument("--shard-within-node", action="store_true",
+                    help="shard the optimizer state over the ranks of each node and replicate "
+                         "it across nodes (zero_ext.hybrid_groups(); DDP over the whole job)")
+    ap.add_argument("--ckpt", default=None,
+                    help="directory for checkpoints DIR/step-N (with --save-every)")
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="save a checkpoint every N steps (0: never)")
+    ap.add_argument("--resume-from", default=None,
+                    help="a checkpoint directory DIR/step-N to continue from")
+    ap.add_argument("--final", default=None,
+                    help="write rank 0's final model weights and losses to this file")
     args = ap.parse_args(argv)
     if args.master_weights and args.torch_zero:
         ap.error("--master-weights is a zero_ext option; torch's ZeroRedundancyOptimizer "
                  "has no master weights")
+    if args.torch_zero and (args.shard_within_node or args.save_every or args.resume_from):
+        ap.error("--shard-within-node, --save-every and --resume-from use zero_ext (its "
+                 "hybrid groups and zero_ext.checkpoint)")
+    if args.save_every and not args.ckpt:
+        ap.error("--save-every needs --ckpt")
 
     device = torch.device(args.device)
     rank, world, store_path = init_distributed(device)
@@ -247,11 +317,16 @@ def main(argv=None) -> int:
         from zero_ext import ZeroRedundancyOptimizer
 
         extra = {"master_weights": True} if args.master_weights else {}
+        if args.shard_within_node:
+            from zero_ext import hybrid_groups
+
+            extra["process_group"] = hybrid_groups()[0]  # this node's ranks
         opt = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
                                       parameters_as_bucket_view=args.bucket_view,
                                       sharding=args.sharding, **extra)
+        per_node = f", {opt.world_size} ranks per shard group" if args.shard_within_node else ""
         impl = (f"zero_ext.ZeroRedundancyOptimizer(sharding={args.sharding!r}"
-                f"{', master_weights=True' if args.master_weights else ''})")
+                f"{', master_weights=True' if args.master_weights else ''}{per_node})")
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, 1.0, args.warmup, args.steps))
 
@@ -262,9 +337,15 @@ def main(argv=None) -> int:
               flush=True)
 
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)  # each rank its own data
-    step_times, opt_times, first_loss, window = [], [], None, []
+    start = 0
+    if args.resume_from:
+        start = resume(args.resume_from, model, opt, sched, gen, rank, world)
+        if rank == 0:
+            print(f"resumed from {args.resume_from} at step {start}", flush=True)
+    step_times, opt_times, first_loss, window, losses = [], [], None, [], []
     loss_avg = torch.zeros(1, device=device)
-    for step in range(args.steps):
+    mean_loss = float("nan")
+    for step in range(start, args.steps):
         x, y = (t.to(device) for t in make_batch(gen, args.batch_size, args.seq_len, args.vocab))
         t0 = time.perf_counter()
         logits = ddp(x)
@@ -279,11 +360,15 @@ def main(argv=None) -> int:
         t2 = time.perf_counter()
         step_times.append(t2 - t0)
         opt_times.append(t2 - t1)
-        if step == 0:  # the optimizer state exists from the first step on
+        if step == start:  # the optimizer state exists from the first step on
             report_bytes_per_param(model, opt, n_params, rank, world, masters)
+        if args.save_every and (step + 1) % args.save_every == 0:
+            save(os.path.join(args.ckpt, f"step-{step + 1}"), step + 1, model, opt, sched,
+                 gen, rank)
 
         window.append(loss.detach())
-        if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
+        losses.append(float(loss.detach()))
+        if (step + 1) % args.log_every == 0 or step == start or step + 1 == args.steps:
             loss_avg.copy_(torch.stack(window).mean())
             dist.all_reduce(loss_avg)  # mean over ranks (and over the window)
             mean_loss = loss_avg.item() / world
@@ -330,6 +415,8 @@ def main(argv=None) -> int:
         print(f"(unsharded {'AdamW with fp32 masters' if masters else 'AdamW'} "
               f"would hold {per_param * n_params / 2**20:.3f} MiB on every rank)")
 
+    if args.final and rank == 0:
+        torch.save({"model": model.state_dict(), "losses": losses}, args.final)
     dist.destroy_process_group()
     if store_path and os.path.exists(store_path):
         os.unlink(store_path)

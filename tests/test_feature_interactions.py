@@ -356,6 +356,17 @@ def test_norm_type_errors_match_torch(norm_type):
     assert "norm_type" in str(ours.value)
 
 
+@pytest.mark.parametrize("norm_type", [-2.0, -math.inf, 3.0])
+def test_norms_of_infinite_grads_match_torch(norm_type):
+    from zero_ext import FusedAdamW
+    ps, qs = make_params([(3,), (2, 2)]), make_params([(3,), (2, 2)])
+    for p in ps + qs:
+        p.grad = torch.full(p.shape, math.inf)
+    theirs = float(torch.nn.utils.clip_grad_norm_(qs, 1.0, norm_type=norm_type))
+    ours = float(FusedAdamW(ps).clip_grad_norm_(1.0, norm_type=norm_type))
+    assert ours == theirs, (ours, theirs)
+
+
 def test_norm_type_zero_is_refused_clearly():
     from zero_ext import FusedAdamW
     ps = make_params([(3,)])
@@ -477,3 +488,42 @@ def test_fused_adamw_clipped_grad_that_survives_a_step_stays_clipped():
     opt, ref = FusedAdamW(pz, lr=1e-2), AdamW(pr, lr=1e-2)
     _surviving_clip_run(opt, ref, pz, pr)
     assert_params_close(detached(pz), detached(pr), **TOL)
+
+
+# ------------------------------------------------------------------ grads changed after a clip
+
+@SC.scenario()
+def grads_transformed_after_the_clip(ctx):
+    """clip, then p.grad = p.grad + noise (a new tensor computed from the grad, as a DP
+    noise step or a cast does): torch's new grad would be built from clipped values, which
+    zero_ext cannot rebuild (it clips inside the step): every rank raises at the step and
+    nothing is stepped. After opt.zero_grad() the optimizer works on."""
+    out = {}
+    for mode in ("param", "flat"):
+        pz, pr = _twins(seed=32)
+        opt = _zero(pz, SGD, ctx.pg, **MODES[mode], lr=0.05)
+        before = detached(pz)
+        _grads(pz, 0)
+        opt.clip_grad_norm_(0.3)
+        for p in pz:
+            p.grad = p.grad + 0.01
+        try:
+            opt.step()
+            err = None
+        except RuntimeError as exc:
+            err = str(exc)
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, detached(pz)))
+        opt.zero_grad()
+        _grads(pz, 1)
+        opt.step()
+        out[mode] = {"err": err, "unchanged": unchanged, "zero": detached(pz)}
+    return out
+
+
+def test_grads_transformed_after_the_clip_raise_on_every_rank(world):
+    vals = world.values("grads_transformed_after_the_clip")
+    for mode in vals[0]:
+        for v in vals:
+            assert v[mode]["err"] is not None and "replaced" in v[mode]["err"], v[mode]["err"]
+            assert v[mode]["unchanged"]
+        assert_same_on_every_rank([v[mode]["zero"] for v in vals])

@@ -224,7 +224,7 @@ class FusedAdamW(torch.optim.Optimizer):
         max_norm, norm_type = grad_norm.validate(max_norm, norm_type)
         grads = [p.grad for p in self._params()]
         # a clip of some of these grads still pending counts, per grad (clipping twice)
-        prior = self._clip.factors(grads) if self._clip else None
+        prior = self._clip.factors(grads, for_clip=True) if self._clip else None
         present = [i for i, g in enumerate(grads) if g is not None]
         term, count = grad_norm.local_terms(
             [grads[i] for i in present], norm_type,
@@ -262,8 +262,7 @@ class FusedAdamW(torch.optim.Optimizer):
         pending = self._clip
         params = self._params()
         stepped = [i for i, p in enumerate(params) if p.grad is not None] if pending else ()
-        with grad_norm.applied(pending, params, stepped,
-                               scaler_checked=grad_scale is not None) as clip:
+        with grad_norm.applied(pending, params, stepped) as clip:
             self._engine.step(self.param_groups, self.state,
                               grad_scale=kernel_divisor(grad_scale, clip), found_inf=found_inf)
         self._clip_after_step()

@@ -88,8 +88,11 @@ def combine(terms: Sequence[float], counts: Sequence[int], norm_type: float) -> 
     s = sum(present)
     if norm_type > 0:
         return s ** (1.0 / norm_type) if s > 0 else 0.0
-    # p < 0: a zero element makes its term inf, and the norm 0, as in torch
-    return 0.0 if math.isinf(s) else s ** (1.0 / norm_type)
+    # p < 0: a zero element makes its term inf and the norm 0, infinite elements make
+    # their terms 0 (all of them infinite: the norm is inf), as in torch
+    if math.isinf(s):
+        return 0.0
+    return math.inf if s == 0 else s ** (1.0 / norm_type)
 
 
 def total_norm(term: float, count: int, norm_type: float, group, world_size: int,
@@ -139,13 +142,16 @@ class PendingClip:
     and the version counter). torch's clip scales the grads in place; we keep the factor
     instead and apply it where the grads are read (the step, a second clip), so:
 
-    - a grad replaced since (a backward after zero_grad(set_to_none=True)) gets no factor,
-      as a torch clip of the old tensor would not have touched the new one;
-    - a grad written in place after the clip and before the step that applies it (a
-      backward accumulating into it) cannot get what torch would have given it: an error;
+    - a grad changed after the clip and before the step that applies it cannot get what
+      torch would have given it, and is an error at that step (or at a second clip): written
+      in place (a backward accumulating into it: torch's result, clipped old part plus new
+      part, is gone), or replaced by another tensor (``p.grad = p.grad + noise``, a cast:
+      torch's new tensor would be computed from the clipped values). A grad set to None is
+      simply not stepped. ``zero_grad()`` on the optimizer drops pending clips;
     - a clipped grad that survives a step unchanged (a frozen param's stale grad, when
-      nothing zeroes the grads) is still clipped at the next step, as in torch; written in
-      place after that step (zeroed and filled by a new backward), it is a new grad.
+      nothing zeroes the grads) is still clipped at the next step, as in torch; replaced or
+      written in place after that step (zeroed and filled by a new backward), it is a new
+      grad.
 
     Entries are keyed by the index of the param in the optimizer's list of all params, so
     the factor of a param does not depend on which rank owns it or on the order in which
@@ -160,29 +166,31 @@ class PendingClip:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
-    def factors(self, grads: Sequence[Optional[Tensor]], scaler_checked: bool = False,
+    def factors(self, grads: Sequence[Optional[Tensor]], for_clip: bool = False
                 ) -> list[Optional[Tensor]]:
         """The factor each of `grads` (one per param index) carries: None when it was not
-        clipped or its grad was replaced since. `scaler_checked`: a GradScaler looked at the
-        grads in place since (its inf check multiplies them by 1.0 in place, one version
-        bump, values unchanged). Raises if a grad clipped for the coming step changed."""
+        clipped (or was, before a step that it survived and was rewritten after). Raises if
+        a grad clipped for the coming step was changed or replaced since; `for_clip` (a
+        second clip_grad_norm_ reads the factors): a replaced grad is a new grad there (the
+        grads of a skipped step, dropped and recomputed), only an in-place change raises."""
         out: list[Optional[Tensor]] = [None] * len(grads)
         for i, (ref, version, factor, applied) in self.entries.items():
             g = grads[i] if i < len(grads) else None
-            if g is None or ref() is not g:
+            if g is None:
                 continue
-            if g._version == version or (scaler_checked and not applied
-                                         and g._version == version + 1):
+            if ref() is g and g._version == version:
                 out[i] = factor
                 continue
-            if applied:
-                continue  # rewritten after the step that applied the clip: a new grad
+            if applied or (for_clip and ref() is not g):
+                continue  # rewritten after the step that applied the clip, or a new grad
+            how = "changed in place" if ref() is g else "replaced by another tensor"
             raise RuntimeError(
-                "clip_grad_norm_ was called, then the grads were changed in place (e.g. "
-                "another backward accumulated into them, or GradScaler checked still-scaled "
-                "grads) before step() or another clip_grad_norm_: the clip cannot be "
-                "applied as torch would have (to the old part only). Clip after the last "
-                "backward (with a GradScaler, after scaler.unscale_(opt))")
+                f"clip_grad_norm_ was called, then a clipped grad was {how} (another backward "
+                "accumulating into it, p.grad = <a new tensor>, ...) before step() or another "
+                "clip_grad_norm_: zero_ext applies the clip inside step(), so it cannot be "
+                "applied as torch would have. Change the grads before clipping (with a "
+                "GradScaler: scaler.unscale_(opt), then clip), or call opt.zero_grad() to drop "
+                "the clip")
         return out
 
     def after_step(self, grads: Sequence[Optional[Tensor]]) -> Optional["PendingClip"]:
@@ -250,8 +258,8 @@ def uniform_factor(factors: Sequence[Optional[Tensor]], stepped: Sequence[int]
 
 
 @contextmanager
-def applied(pending: Optional[PendingClip], params: Sequence[Tensor], stepped: Sequence[int],
-            scaler_checked: bool = False) -> Iterator[Optional[Tensor]]:
+def applied(pending: Optional[PendingClip], params: Sequence[Tensor], stepped: Sequence[int]
+            ) -> Iterator[Optional[Tensor]]:
     """Apply a pending clip to a step over `params` (all of the optimizer's, by index) that
     reads the grads of the params at indices `stepped`. Yields the factor the step applies
     to every grad it reads (the kernel's divisor, or the generic path's multiplier), or
@@ -262,7 +270,7 @@ def applied(pending: Optional[PendingClip], params: Sequence[Tensor], stepped: S
         yield None
         return
     grads = [p.grad for p in params]
-    factors = pending.factors(grads, scaler_checked)
+    factors = pending.factors(grads)
     factor, uniform = uniform_factor(factors, stepped)
     if uniform:
         yield factor

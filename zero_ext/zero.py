@@ -413,7 +413,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     if closure is not None:
                         with torch.enable_grad():
                             loss = closure()
-                    with self._clip_applied(grad_scale) as clip:  # after the closure: it may clip
+                    with self._clip_applied() as clip:  # after the closure: it may clip
                         self._fused_step().run(after_chunk=sends.send if sends else None,
                                                grad_scale=kernel_divisor(grad_scale, clip))
                 else:
@@ -478,7 +478,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if closure is not None:  # evaluated once, before the grads are read
             with torch.enable_grad():
                 loss = closure()
-        with self._clip_applied(grad_scale) as clip:
+        with self._clip_applied() as clip:
             factor = scale_factor(grad_scale, clip)
             flat = self.sharding == layout.FLAT
             if flat:
@@ -502,15 +502,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                        if params[lp.param_id].grad is not None})
 
     @contextlib.contextmanager
-    def _clip_applied(self, grad_scale: torch.Tensor | None = None):
+    def _clip_applied(self):
         """Apply the clip factors to this step (grad_norm.applied): yields the factor for
         every grad the step reads, or None when there is none or the clipped grads were
         swapped for scaled copies; raises if clipped grads changed in place. Afterwards the
         factors stay with the grads that survive the step unchanged (PendingClip)."""
         pending = self._clip
         with grad_norm.applied(pending, self._all_params,
-                               self._stepped_ids() if pending else (),
-                               scaler_checked=grad_scale is not None) as factor:
+                               self._stepped_ids() if pending else ()) as factor:
             yield factor
         self._clip_after_step()
 
@@ -566,7 +565,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             grads = [p.grad for p in self._all_params]
             # A clip still pending for some of these grads counts (clipping twice, as in
             # torch, whose second norm is of the clipped grads): per grad, by param.
-            prior = self._clip.factors(grads) if self._clip else None
+            prior = self._clip.factors(grads, for_clip=True) if self._clip else None
             pieces, scales = [], []
             for lp in self.plan.local:
                 g = grads[lp.param_id]
@@ -652,9 +651,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         full = state.consolidate(self, 0)
         return state.torch_format(self, full) if self.rank == 0 else state.placeholder(self, 0)
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict | None) -> None:
         """Load a torch-format optimizer state dict (from us, torch's ZeRO, or a plain
-        torch optimizer); the caller's dict is not modified. Collective. Ranks that hold
-        the placeholder state_dict() returned away from rank 0 receive their share from a
-        rank that holds the real dict."""
+        torch optimizer); the caller's dict is not modified. Collective. Ranks given None
+        (or the placeholder state_dict() returned away from rank 0) receive their share
+        from a rank that holds the dict: ``opt.load_state_dict(torch.load(f) if rank == 0
+        else None)`` reads the file on rank 0 only."""
         state.load(self, state_dict)

@@ -219,16 +219,75 @@ def state_dict_called_on_one_rank_only(ctx):
     saved = agree.RENDEZVOUS_TIMEOUT_S, agree.RENDEZVOUS_WARN_S
     agree.RENDEZVOUS_TIMEOUT_S, agree.RENDEZVOUS_WARN_S = 2.0, 0.5
     try:
+        err = None
         if ctx.rank == 0:
-            opt.state_dict()
+            try:
+                opt.state_dict()
+            except RuntimeError as exc:
+                err = str(exc)
     finally:
         agree.RENDEZVOUS_TIMEOUT_S, agree.RENDEZVOUS_WARN_S = saved
+    # the other ranks call state_dict() only once rank 0's call has given up (store signal):
+    # the timed-out call withdrew, so this next call on every rank pairs up and works
+    key = f"{ctx.scenario}/first_call_over"
+    if ctx.rank == 0:
+        ctx.store.set(key, "1")
+    else:
+        ctx.store.wait([key])
+    sd = opt.state_dict()
+    return {"err": err, "placeholder": _is_placeholder(sd),
+            "diff": sd_diff(sd, ref.state_dict(), atol=1e-6, rtol=1e-6) if ctx.rank == 0
+            else []}
 
 
 def test_state_dict_on_one_rank_only_is_a_clear_error(world):
     if world.world_size < 2:
         pytest.skip("needs 2+ ranks")
-    outs = world.outcomes("state_dict_called_on_one_rank_only")
-    assert_raised(outs[0], RuntimeError, "consolidate_state_dict")
-    assert "ranks [1" in outs[0].message
-    assert all(o.ok for o in outs[1:])
+    vals = world.values("state_dict_called_on_one_rank_only")
+    assert vals[0]["err"] is not None and "consolidate_state_dict" in vals[0]["err"]
+    assert "ranks [1" in vals[0]["err"]
+    assert all(v["err"] is None for v in vals[1:])
+    for r, v in enumerate(vals):
+        assert v["placeholder"] == (r != 0) and v["diff"] == [], (r, v)
+
+
+@SC.scenario(min_world=2)
+def load_on_rank0_only(ctx):
+    """A resume where only rank 0 reads the file: rank 0 passes the dict, the others None;
+    they receive their shares. The trap next to it: the others pass their fresh
+    optimizer's state_dict() (a real dict with empty state, not None): the ranks were given
+    different dicts, which is a ValueError on every rank with nothing loaded."""
+    pz, pr, opt, ref = _setup(ctx, "param")
+    opt.consolidate_state_dict(to=0)
+    full = [opt.state_dict() if ctx.rank == 0 else None]
+    torch.distributed.broadcast_object_list(full, src=torch.distributed.get_global_rank(
+        ctx.pg, 0), group=ctx.pg)
+    saved = full[0]
+
+    def fresh():
+        ps = [p.detach().clone().requires_grad_() for p in pz]
+        return ps, _zero(ps, ctx.pg, "flat_bv")
+
+    ps_trap, trap = fresh()
+    err = None
+    try:
+        trap.load_state_dict(copy.deepcopy(saved) if ctx.rank == 0 else trap.state_dict())
+    except ValueError as exc:
+        err = str(exc)
+    trap_empty = not any(trap.optim.state.values())
+    ps_ok, ok = fresh()
+    ok.load_state_dict(copy.deepcopy(saved) if ctx.rank == 0 else None)
+    _train(ok, ps_ok, 2, first=3)
+    _train(ref, pr, 2, first=3)
+    return {"err": err, "trap_empty": trap_empty, "zero": detached(ps_ok), "ref": detached(pr)}
+
+
+def test_load_on_rank0_only_and_the_fresh_state_dict_trap(world):
+    if world.world_size < 2:
+        pytest.skip("needs 2+ ranks")
+    vals = world.values("load_on_rank0_only")
+    for v in vals:
+        assert v["err"] is not None and "different state dicts" in v["err"], v["err"]
+        assert v["trap_empty"]
+        assert_params_close(v["zero"], v["ref"], atol=1e-6, rtol=1e-6)
+    assert_same_on_every_rank([v["zero"] for v in vals])

@@ -125,5 +125,11 @@ def rendezvous(group, world_size: int, rank: int, what: str, hint: str) -> None:
         msg = (f"{what}: rank {rank} has waited {waited:.0f} s for ranks {missing} of its "
                f"process group to call it too; {hint}")
         if waited >= RENDEZVOUS_TIMEOUT_S:
+            # withdraw, so that the next call of every rank pairs with the right one
+            _rendezvous_calls[(name, what)] -= 1
+            try:
+                store.delete_key(keys[rank])
+            except Exception:  # noqa: BLE001 - a store without delete: nothing to withdraw
+                pass
             raise RuntimeError(msg + " (ZERO_EXT_RENDEZVOUS_TIMEOUT_S)")
         logger.warning("zero_ext: %s", msg)

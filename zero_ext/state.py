@@ -22,6 +22,7 @@ This module owns three things:
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -384,37 +385,70 @@ def _check_and_map(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> dict[int
     return mapped
 
 
-def load(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> None:
+def load(opt: "ZeroRedundancyOptimizer", state_dict: dict | None) -> None:
     """Load a torch-format optimizer state dict (the caller's dict is never aliased).
 
     Collective: every rank validates the whole dict (every param's state keys and sizes,
     not only its own share) and the ranks agree before anything is installed, so a bad
     dict raises the same error on every rank and leaves the optimizer unchanged. Ranks
-    given the placeholder of `state_dict()` receive their share from the lowest rank that
-    holds a real dict (every rank's share comes from that one dict then)."""
-    holder = not is_placeholder(state_dict)
-    error, saved, local_state_ = None, None, {}
+    given None or the placeholder of `state_dict()` receive their share from the lowest
+    rank that holds a real dict (every rank's share comes from that one dict then). The
+    ranks holding a dict must hold the same one (a digest of its structure, scalars and
+    the ends of every tensor is compared): a fresh optimizer's state_dict() passed on some
+    ranks next to a checkpoint's on others is an error on every rank, not a half-load."""
+    holder = state_dict is not None and not is_placeholder(state_dict)
+    error, saved, local_state_, digest = None, None, {}, 0
     try:
         if holder:
             saved = _check_and_map(opt, state_dict)
+            digest = _digest(state_dict)
             local_state_ = _local_states(opt.plan, opt.plan.pieces_of(opt.rank), saved,
                                          len(opt.param_groups))
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = exc
     world = opt.world_size
-    holders, placeholders, first = agree(
+    # max over ranks: any holder, any non-holder, the lowest holder, the holders' digests
+    # (max of d and of -d; a non-holder stays below every holder in both)
+    holders, others, first, top, bottom = agree(
         opt.process_group, world, error, "load_state_dict",
-        (int(holder), int(not holder), world - opt.rank if holder else 0))
+        (int(holder), int(not holder), world - opt.rank if holder else 0,
+         digest if holder else -1, -digest if holder else -(1 << 62)))
+    if holders and top != -bottom:
+        raise ValueError(
+            "load_state_dict: the ranks were given different state dicts (another save, "
+            "or a fresh optimizer's state_dict() on some ranks): give every rank the same "
+            "dict, or give it to some ranks and None to the others (they receive their "
+            "share)")
     saved_groups = state_dict["param_groups"] if holder else None
-    if placeholders:
+    if others:
         if not holders:
             raise ValueError(
-                "load_state_dict: every rank was given the placeholder that state_dict() "
-                "returns on ranks that did not receive the consolidated state; load the "
-                "dict saved from the consolidating rank (rank 0) on at least one rank")
+                "load_state_dict: no rank was given a state dict (every rank got None or "
+                "the placeholder that state_dict() returns on ranks that did not receive "
+                "the consolidated state); load the dict saved from the consolidating rank "
+                "(rank 0) on at least one rank")
         local_state_, saved_groups = _scatter(opt, world - first, saved, saved_groups,
                                               local_state_)
     install(opt, saved_groups, local_state_, class_policy=True)
+
+
+def _digest(state_dict: dict) -> int:
+    """60 bits of a hash of what a state dict is: its groups' hyperparameters and param
+    ids, every state entry's name, and for tensors their shape, dtype, first and last
+    element (no pass over the data), for other values their value."""
+    def value(v):
+        if isinstance(v, torch.Tensor):
+            flat = v.detach().reshape(-1)
+            ends = (flat[0].item(), flat[-1].item()) if flat.numel() else ()
+            return ("T", tuple(v.shape), str(v.dtype), ends)
+        if isinstance(v, (list, tuple)):
+            return tuple(value(x) for x in v)
+        return repr(v)
+
+    groups = [sorted((k, value(v)) for k, v in g.items()) for g in state_dict["param_groups"]]
+    st = [(repr(pid), sorted((k, value(v)) for k, v in s.items()))
+          for pid, s in sorted(state_dict["state"].items(), key=lambda kv: repr(kv[0]))]
+    return int(hashlib.sha256(repr((groups, st)).encode()).hexdigest()[:15], 16)
 
 
 def _local_states(plan: layout.ShardPlan, pieces, saved: dict, n_groups: int) -> dict:

@@ -139,6 +139,27 @@ def _hybrid_world(rank, world, root):
             rec["err_unreadable"] = _errors(lambda: checkpoint.load(opt, path))
         finally:
             checkpoint.read_meta = real
+
+    # two independent optimizers over the two halves (pipeline stages, an ensemble), each
+    # saving its own checkpoint at the same time: each group saves and loads its own
+    half = layouts["2x2"]
+    shapes = SHAPES if rank < 2 else SHAPES[:5]
+    ps = make_params(shapes, seed=60 + rank // 2)
+    own = ZeroRedundancyOptimizer(_groups(ps), torch.optim.AdamW, process_group=half,
+                                  sharding="flat", **HP)
+    _train(own, ps, 0, 2)
+    own_path = os.path.join(root, f"stage{rank // 2}")
+    checkpoint.save(own, own_path)
+    own.consolidate_state_dict()
+    mine = own.state_dict() if dist.get_rank(half) == 0 else None
+    again = ZeroRedundancyOptimizer(_groups([p.detach().clone().requires_grad_() for p in ps]),
+                                    torch.optim.AdamW, process_group=half, sharding="param",
+                                    **HP)
+    checkpoint.load(again, own_path)
+    again.consolidate_state_dict()
+    if mine is not None:
+        out["stages"] = (sd_diff(checkpoint.load_full(own_path), mine),
+                         sd_diff(again.state_dict(), mine))
     return out
 
 
@@ -212,3 +233,9 @@ def test_job_wide_errors_raise_on_every_rank(hybrid, tag):
             assert err[0] == "OSError", err
         else:
             assert "rank 3" in err[1], err
+
+
+def test_independent_groups_save_their_own_checkpoints(hybrid):
+    for r in (0, 2):
+        full, reloaded = hybrid[r]["stages"]
+        assert full == [] and reloaded == [], (r, full, reloaded)

@@ -80,37 +80,56 @@ def _fingerprint(opt) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _join_job(opt, job: Job, path: str, what: str) -> BaseException | None:
+def _join_job(opt, job: Job, path: str, what: str) -> tuple[Job, BaseException | None]:
     """The ranks of `job` meet (a store rendezvous first: a rank that never calls gives a
-    warning naming it instead of a silent hang), and check that they save or load one
-    checkpoint of replicas of one optimizer, each complete shard group inside the job.
-    Returns this rank's error (raised on every rank by the caller's agreement)."""
+    warning naming it instead of a silent hang) and compare (path, optimizer, shard group):
+
+    - one path: they save or load one checkpoint of replicas of one optimizer, each
+      complete shard group inside the job;
+    - several paths, each used by exactly one whole shard group (independent optimizers
+      over parts of the job, as pipeline stages or an ensemble saving at the same time):
+      each group saves or loads its own, the job narrows to the optimizer's group;
+    - anything else is an error.
+
+    Every rank decides from the same gathered facts, so all narrow or all fail alike.
+    Returns (the job to use, this rank's error: raised on every rank by the caller)."""
     if job.world == 1:
-        return None
+        return job, None
     rendezvous(job.group, job.world, job.rank, what,
                "every rank of the job calls it: when the optimizer shards over a part of the "
                "job (shard within a node, replicate across nodes), that is every rank of the "
-               "default process group; pass process_group= to name the ranks that save "
-               "together")
+               "default process group; pass process_group=opt.process_group to save or load "
+               "one group alone")
     shard = (tuple(dist.get_process_group_ranks(opt.process_group))
              if opt.process_group is not None else (dist.get_rank(),))
     everyone: list = [None] * job.world
     dist.all_gather_object(everyone, (path, _fingerprint(opt), shard), group=job.group)
-    members = set(dist.get_process_group_ranks(job.group))
-    paths = sorted({e[0] for e in everyone})
-    if len(paths) > 1:
-        return ValueError(f"{what}: the ranks of the job were given different paths {paths}; "
-                          "every rank that takes part passes the same path (or pass "
-                          "process_group= to save each group separately)")
-    if len({e[1] for e in everyone}) > 1:
-        return ValueError(f"{what}: the ranks of the job hold different optimizers (params, "
-                          "groups, optimizer class, sharding or shard count differ): they "
-                          "cannot write one checkpoint; pass process_group=")
-    outside = sorted({r for e in everyone for r in e[2]} - members)
+    members = dist.get_process_group_ranks(job.group)
+    outside = sorted({r for e in everyone for r in e[2]} - set(members))
     if outside:
-        return ValueError(f"{what}: ranks {outside} shard the optimizer with ranks of this job "
-                          "but do not take part in it; every rank of a shard group must")
-    return None
+        return job, ValueError(f"{what}: ranks {outside} shard the optimizer with ranks of "
+                               "this job but do not take part in it; every rank of a shard "
+                               "group must")
+    by_path: dict = {}
+    for g, (p, fp, sh) in zip(members, everyone):
+        by_path.setdefault(p, []).append((g, fp, sh))
+    if len(by_path) == 1:
+        if len({e[1] for e in everyone}) > 1:
+            return job, ValueError(
+                f"{what}: the ranks of the job hold different optimizers (params, groups, "
+                "optimizer class, sharding or shard count differ): they cannot write one "
+                "checkpoint; pass process_group=")
+        return job, None
+    separate = all(sorted(g for g, _, _ in ranks) == sorted(ranks[0][2])
+                   and len({fp for _, fp, _ in ranks}) == 1 for ranks in by_path.values())
+    if not separate:
+        return job, ValueError(
+            f"{what}: the ranks of the job were given different paths {sorted(by_path)}; "
+            "replicas of one optimizer pass the same path, and independent optimizers over "
+            "parts of the job each use a path of their own for their whole group (or pass "
+            "process_group= to name the ranks that save together)")
+    pg = opt.process_group
+    return Job(pg, dist.get_rank(pg), dist.get_world_size(pg)), None
 
 
 def _fsync_dir(path: str) -> None:
@@ -165,9 +184,8 @@ def save(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
 
     opt = optimizer
     path = os.path.abspath(os.fspath(path))
-    job = job_of(opt, process_group)
+    job, error = _join_job(opt, job_of(opt, process_group), path, "zero_ext.checkpoint.save")
     tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
-    error = _join_job(opt, job, path, "zero_ext.checkpoint.save")
     items, desc = {}, {}
     try:
         if error is None:
@@ -211,8 +229,7 @@ def load(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
     """
     opt = optimizer
     path = os.path.abspath(os.fspath(path))
-    job = job_of(opt, process_group)
-    error = _join_job(opt, job, path, "zero_ext.checkpoint.load")
+    job, error = _join_job(opt, job_of(opt, process_group), path, "zero_ext.checkpoint.load")
     reads, local, meta, where = None, None, None, None
     try:
         if error is None:

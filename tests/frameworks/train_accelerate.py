@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import param_groups, sequences, TinyLM, write_result  # noqa: I001
+from common import exit_now, param_groups, sequences, TinyLM, write_result  # noqa: I001
 
 
 def main() -> None:
@@ -67,3 +67,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)

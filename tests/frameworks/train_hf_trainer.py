@@ -10,7 +10,7 @@ import argparse
 import os
 
 import torch
-from common import sequences, write_result  # noqa: I001
+from common import exit_now, sequences, write_result  # noqa: I001
 
 
 class Data(torch.utils.data.Dataset):
@@ -68,3 +68,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)

@@ -11,7 +11,7 @@ import argparse
 import os
 
 import torch
-from common import param_groups, sequences, TinyLM, write_result  # noqa: I001
+from common import exit_now, param_groups, sequences, TinyLM, write_result  # noqa: I001
 
 
 class ResumableBatches:
@@ -98,3 +98,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)

@@ -43,4 +43,8 @@ def __getattr__(name):  # lazy, so `import zero_ext.kernels` does not pull in th
         from .hybrid import hybrid_groups
 
         return hybrid_groups
+    if name in ("checkpoint", "hybrid", "integrations"):  # zero_ext.checkpoint.save(...)
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'zero_ext' has no attribute {name!r}")

@@ -195,7 +195,7 @@ def _nvcc() -> str | None:
 def _build_estimate(cuda: bool) -> str:
     """How long a cold JIT build takes (the same words in the build's own message and in
     native_status())."""
-    return (f"about {'4-7 minutes' if cuda else '1-3 minutes'} on 2 cores "
+    return (f"about {'1-7 minutes' if cuda else '20 s to 3 minutes'} on 2 cores "
             f"(MAX_JOBS={os.environ.get('MAX_JOBS', '2')})")
 
 

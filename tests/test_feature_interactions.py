@@ -72,6 +72,15 @@ CLASSES = {"sgd": (SGD, dict(lr=0.05, momentum=0.9)),
            "adamw": (AdamW, dict(lr=1e-2, weight_decay=0.1))}
 
 
+def _register(name, fn, *args):
+    """A scenario named `name` running fn(ctx, *args), at module level (the workers find
+    it by name)."""
+    def scenario(ctx):
+        return fn(ctx, *args)
+    scenario.__name__ = scenario.__qualname__ = name
+    globals()[name] = SC.scenario()(scenario)
+
+
 # ------------------------------------------------------------------ a clip, then a new layout
 
 def _unfreeze_between_clip_and_step(ctx, cls_name, mode, stale):
@@ -109,14 +118,8 @@ def _unfreeze_between_clip_and_step(ctx, cls_name, mode, stale):
 for _cls in CLASSES:
     for _mode in MODES:
         for _stale in (False, True):
-            def _make(cls_name, mode, stale):
-                def scenario(ctx):
-                    return _unfreeze_between_clip_and_step(ctx, cls_name, mode, stale)
-                scenario.__name__ = scenario.__qualname__ = (
-                    f"unfreeze_after_clip_{cls_name}_{mode}" + ("_stale" if stale else ""))
-                return scenario
-            _fn = _make(_cls, _mode, _stale)
-            globals()[_fn.__name__] = SC.scenario()(_fn)
+            _register(f"unfreeze_after_clip_{_cls}_{_mode}" + ("_stale" if _stale else ""),
+                      _unfreeze_between_clip_and_step, _cls, _mode, _stale)
 
 
 @pytest.mark.parametrize("stale", [False, True], ids=["no_grad", "stale_grad"])
@@ -172,14 +175,8 @@ def _add_group_between_clip_and_step(ctx, cls_name, mode, first_step):
 for _cls in CLASSES:
     for _mode in ("param", "param_bv", "flat"):
         for _first in (False, True):
-            def _make(cls_name, mode, first):
-                def scenario(ctx):
-                    return _add_group_between_clip_and_step(ctx, cls_name, mode, first)
-                scenario.__name__ = scenario.__qualname__ = (
-                    f"add_group_after_clip_{cls_name}_{mode}" + ("_first" if first else ""))
-                return scenario
-            _fn = _make(_cls, _mode, _first)
-            globals()[_fn.__name__] = SC.scenario()(_fn)
+            _register(f"add_group_after_clip_{_cls}_{_mode}" + ("_first" if _first else ""),
+                      _add_group_between_clip_and_step, _cls, _mode, _first)
 
 
 @pytest.mark.parametrize("first", [False, True], ids=["after_a_step", "before_any_state"])
@@ -276,13 +273,8 @@ def _replaced_state_run(ctx, mode, how, amsgrad):
 
 for _mode in ("param", "flat", "param_bv"):
     for _how in ("zeros", "scaled", "step"):
-        def _make(mode, how):
-            def scenario(ctx):
-                return _replaced_state_run(ctx, mode, how, amsgrad=(how == "scaled"))
-            scenario.__name__ = scenario.__qualname__ = f"replaced_state_{mode}_{how}"
-            return scenario
-        _fn = _make(_mode, _how)
-        globals()[_fn.__name__] = SC.scenario()(_fn)
+        _register(f"replaced_state_{_mode}_{_how}", _replaced_state_run, _mode, _how,
+                  _how == "scaled")
 
 
 @pytest.mark.parametrize("how", ["zeros", "scaled", "step"])

@@ -515,7 +515,15 @@ class _Run:
 
     def ev_overwrite(self, how):
         new = _make_params(self.spec, seed_offset=50_000 + len(self.log))
-        for ps, vals in ((self.pz, new), (self.pr, _as_reference(self.spec, new))):
+        ref_new = _as_reference(self.spec, new)
+        for i, (z, r) in enumerate(zip(self.pz, ref_new)):
+            if _low(self.spec, i):
+                # an element written with the bits it already has keeps its master (the
+                # contract: an EMA swap back loses nothing); so does the reference
+                same = z.detach() == new[i].detach()
+                ref_new[i] = torch.where(same, self.pr[i].detach(), r.detach()).requires_grad_(
+                    r.requires_grad)
+        for ps, vals in ((self.pz, new), (self.pr, ref_new)):
             for p, t in zip(ps, vals):
                 if how == "copy":
                     p.data.copy_(t.detach())
@@ -655,9 +663,12 @@ class _Run:
             def boom(*a, **k):
                 raise RuntimeError("harness: injected failure in this rank's local step")
             self.opt.optim.step = boom
-        elif bad:  # grads whose shape is not their param's (the first elements are right)
-            for p in self.pz:
+        good = {}
+        if bad and how != "local_step":
+            # grads whose shape is not their param's (the first elements are right)
+            for i, p in enumerate(self.pz):
                 if p.grad is not None:
+                    good[i] = p.grad.data
                     g = p.grad.reshape(-1)
                     p.grad.data = torch.cat([g, torch.ones(3, dtype=g.dtype)])
         err = None
@@ -669,6 +680,8 @@ class _Run:
             self.opt.optim.__dict__.pop("step", None)
         errs = _gather(ctx, f"fail{len(self.log)}", err)
         if all(e is None for e in errs):  # the bad input was never read: a normal step
+            for i, g in good.items():  # (and it must not linger: a frozen param keeps its
+                self.pz[i].grad.data = g  # grad, a later group takes one in)
             self.ref.step()
             self.steps += 1
             self.check_params()

@@ -241,7 +241,7 @@ def uniform_factor(factors: Sequence[Optional[Tensor]], stepped: Sequence[int]
                    ) -> tuple[Optional[Tensor], bool]:
     """(factor, uniform): the one factor shared by the grads at indices `stepped` (None:
     no factor at all), and whether one factor covers them all. When not uniform, the
-    caller scales the clipped grads one by one (see ZeroRedundancyOptimizer)."""
+    caller scales the clipped grads one by one (see `applied`)."""
     first = None
     seen_none = False
     for i in stepped:

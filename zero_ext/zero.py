@@ -20,11 +20,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from . import agree as agree_mod
 from . import grad_norm
 from . import groups as groups_mod
 from . import kernels, layout, state
-from .agree import agree, agree_on_inputs
+from .agree import agree, agree_on_inputs, rendezvous
 from .fused_adamw import FusedAdamW, fused_path_supported
 from .local_step import FusedShardStep
 from .precision import found_inf_flag, generic_precision, kernel_divisor, scale_factor
@@ -641,7 +640,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not self._had_state:
             return state.torch_format(self, {})
         self._consolidated = self._consolidation = None  # out of date: free it
-        agree_mod.rendezvous(
+        rendezvous(
             self.process_group, self.world_size, self.rank, "ZeroRedundancyOptimizer.state_dict",
             "without consolidate_state_dict() on every rank first, state_dict() gathers the "
             "state itself and needs every rank of the process group (as accelerate's "

@@ -100,8 +100,7 @@ def _join_job(opt, job: Job, path: str, what: str) -> tuple[Job, BaseException |
                "job (shard within a node, replicate across nodes), that is every rank of the "
                "default process group; pass process_group=opt.process_group to save or load "
                "one group alone")
-    shard = (tuple(dist.get_process_group_ranks(opt.process_group))
-             if opt.process_group is not None else (dist.get_rank(),))
+    shard = tuple(dist.get_process_group_ranks(opt.process_group))  # (a job of 2+: not None)
     everyone: list = [None] * job.world
     dist.all_gather_object(everyone, (path, _fingerprint(opt), shard), group=job.group)
     members = dist.get_process_group_ranks(job.group)
@@ -128,8 +127,7 @@ def _join_job(opt, job: Job, path: str, what: str) -> tuple[Job, BaseException |
             "replicas of one optimizer pass the same path, and independent optimizers over "
             "parts of the job each use a path of their own for their whole group (or pass "
             "process_group= to name the ranks that save together)")
-    pg = opt.process_group
-    return Job(pg, dist.get_rank(pg), dist.get_world_size(pg)), None
+    return job_of(opt, opt.process_group), None
 
 
 def _fsync_dir(path: str) -> None:

@@ -104,8 +104,8 @@ BAD_INPUTS = {
     "unknown_sharding": (lambda: [_p(3)], AdamW, {"sharding": "bogus"}, ValueError, "sharding"),
     "flat_with_unknown_optimizer": (lambda: [_p(3)], WholeTensorOpt, {"lr": 0.1, "sharding": "flat"},
                                     ValueError, "flat"),
-    "overlap_with_ddp": (lambda: [_p(3)], AdamW, {"overlap_with_ddp": True},
-                         NotImplementedError, None),
+    "overlap_with_ddp_lbfgs": (lambda: [_p(3)], torch.optim.LBFGS, {"overlap_with_ddp": True},
+                               ValueError, "LBFGS"),
 }
 
 

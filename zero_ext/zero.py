@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from . import grad_norm
 from . import groups as groups_mod
-from . import kernels, layout, state
+from . import kernels, layout, overlap, state
 from .agree import agree, agree_on_inputs, rendezvous
 from .fused_adamw import FusedAdamW, fused_path_supported
 from .local_step import FusedShardStep
@@ -108,10 +108,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
                  *, sharding: str = "auto", master_weights: bool = False, **defaults: Any):
         self._initialized = False
-        if overlap_with_ddp:
-            raise NotImplementedError(
-                "zero_ext.ZeroRedundancyOptimizer does not implement overlap_with_ddp=True yet; "
-                "use overlap_with_ddp=False (the step already overlaps its own communication)")
         if process_group is None and not dist.is_initialized():
             self.process_group, self.world_size, self.rank = None, 1, 0  # plain single process
         else:
@@ -129,6 +125,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 raise ValueError(f"sharding must be one of {SHARDING_MODES}, got {sharding!r}")
             if not isinstance(master_weights, bool):
                 raise TypeError(f"master_weights must be a bool, got {master_weights!r}")
+            overlap.check_options(optimizer_class, master_weights, overlap_with_ddp)
             if sharding == "flat" and not is_elementwise(optimizer_class):
                 raise ValueError(
                     f"sharding='flat' splits parameters between ranks, which is exact only for "
@@ -153,6 +150,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "non-contiguous params": [i for i, p in enumerate(flat_params)
                                           if not p.is_contiguous()],
                 "parameters_as_bucket_view": bool(parameters_as_bucket_view),
+                "overlap_with_ddp": bool(overlap_with_ddp),
                 "master_weights": master_weights,
                 "defaults": sorted(defaults.items())})
         except Exception as exc:  # noqa: BLE001 - re-raised after the other ranks know
@@ -166,7 +164,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._clip: grad_norm.PendingClip | None = None  # from clip_grad_norm_, for step
         self._scaler_seen = False  # a GradScaler drove a step (the join hook mimics it)
         self._last_grad_scale: torch.Tensor | None = None
-        self._overlap_with_ddp = False
+        self._overlap_with_ddp = bool(overlap_with_ddp)
         super().__init__(groups, defaults)  # fills defaults into the groups
         Joinable.__init__(self)
         # Every param in group order (torch's ZeRO has this attribute; code in the wild reads it).
@@ -227,7 +225,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _trainable_mask(self) -> list[bool]:
         return [p.requires_grad for p in self._all_params]
-
 
     def _adopt_optimizer_defaults(self) -> None:
         """Every key optimizer_class put into its groups (betas, eps, amsgrad, ...) also in
@@ -355,6 +352,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Collective. A failure on any rank (a bad grad, an exception in the local step)
         raises on every rank before the exchange, so no rank is left waiting.
         """
+        if self._overlap_with_ddp:  # the DDP comm hook has stepped (torch returns None)
+            return overlap.user_step(self)
         Join.notify_join_context(self)
         # Set around step() by torch.amp.GradScaler (_step_supports_amp_scaling): grads not
         # unscaled yet are divided by grad_scale; found_inf nonzero means skip the step.
@@ -553,6 +552,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         what happens when the grads or the layout change in between); :meth:`zero_grad`
         drops it. ``norm_type`` is any non-zero p, ``inf`` or ``-inf`` (or their strings).
         """
+        overlap.refuse_clip(self)
         max_norm, norm_type = grad_norm.validate(max_norm, norm_type)
         if self._join_config.enable:
             raise NotImplementedError(

@@ -1,0 +1,330 @@
+"""The ZeRO step inside DDP's backward (``overlap_with_ddp=True``): the machinery behind the
+hooks of ``zero_ext.ddp_zero_hook``.
+
+torch's semantics, kept: while DDP has not finalised its buckets (it rebuilds them in the
+second forward, the third with ``static_graph``), iterations only all-reduce and nothing is
+stepped; the first iteration after the rebuild records which params each DDP bucket holds,
+still without a step; from the next one on, each rank steps its share of every bucket with
+the bucket's averaged grads, inside ``loss.backward()``, and the user's ``step()`` does
+nothing. So a script gets 2 (3 with ``static_graph``) iterations without updates, exactly
+as with torch's hooks.
+
+What differs from torch's: the partition is the optimizer's own (``sharding`` "param" or
+"flat", balanced over all params, any number of param groups) instead of one re-cut along
+DDP's buckets: a bucket's grads feed the pieces of it each rank owns, and which rank steps
+an element does not change its update, so ``shard_buckets`` changes nothing in the result.
+The state lives in ``zero.optim`` from construction on, so state dicts and checkpoints work
+before, during and after the warm-up.
+
+No collective of ours runs while one of DDP's all-reduces is in flight: gloo runs the ops
+of one group on a small thread pool, and ops issued concurrently from several threads (a
+future's callback, as in torch's interleaved hook) can pair up differently on each rank,
+which is why torch refuses gloo here. The local steps run as the grads arrive (all at the
+last bucket for ``hook_with_zero_step``; each bucket as soon as its all-reduce is done for
+the interleaved hook), and the one agreement on errors and the exchange of every owner's
+update follow from the last bucket's hook, after every all-reduce of the iteration has
+completed, on the autograd thread, in the same order on every rank.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from . import groups as groups_mod
+from .agree import agree
+from .engine import AdamWEngine, Segment, StepLayout
+
+logger = logging.getLogger("zero_ext")
+
+_FLAG = "overlap_with_ddp=True"
+
+
+def supported_optimizer(optimizer_class: type) -> bool:
+    """The classes torch's overlap supports (those with a functional twin in
+    torch.distributed.optim: SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop),
+    plus zero_ext's FusedAdamW: each steps a param from that param's grad alone."""
+    from torch.distributed.optim.utils import functional_optim_map
+
+    from .fused_adamw import FusedAdamW
+
+    return optimizer_class in functional_optim_map or (
+        isinstance(optimizer_class, type) and issubclass(optimizer_class, FusedAdamW))
+
+
+def check_options(optimizer_class: type, master_weights: bool, overlap_with_ddp) -> None:
+    """Construction (raised on every rank by the caller): what overlap_with_ddp=True needs."""
+    if not overlap_with_ddp:
+        return
+    if not supported_optimizer(optimizer_class):
+        raise ValueError(
+            f"{_FLAG} steps inside DDP's backward without a closure, per bucket; it supports "
+            "SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop (as torch does) and "
+            f"zero_ext.FusedAdamW, not {getattr(optimizer_class, '__name__', optimizer_class)}")
+    if master_weights:
+        raise ValueError(f"master_weights=True is not supported with {_FLAG}")
+
+
+def user_step(zero) -> None:
+    """`step()` with overlap: the hook has stepped already (torch returns None too)."""
+    if getattr(zero, "found_inf", None) is not None or getattr(zero, "grad_scale", None) \
+            is not None:
+        raise RuntimeError(
+            f"a GradScaler cannot drive an optimizer built with {_FLAG}: the step ran inside "
+            "backward on the still-scaled grads. Use zero_ext.ddp_zero_hook.reduce_scatter_hook "
+            "with opt.step() instead")
+    if not getattr(zero, "_overlap_step_warned", False):
+        zero._overlap_step_warned = True
+        logger.warning("zero_ext: step() does nothing with %s: the DDP comm hook steps inside "
+                       "backward (remove step() from the training loop)", _FLAG)
+
+
+def refuse_clip(zero) -> None:
+    """clip_grad_norm_ with overlap: the step has already read the unclipped grads."""
+    if zero._overlap_with_ddp:
+        raise RuntimeError(
+            f"clip_grad_norm_ has no place with {_FLAG}: the step runs inside backward, before "
+            "any clip. Use zero_ext.ddp_zero_hook.reduce_scatter_hook with opt.clip_grad_norm_ "
+            "and opt.step() instead")
+
+
+class _GradSource:
+    """Stands for a param in the engine's layout: its `.grad` is the averaged bucket grad."""
+
+    __slots__ = ("grad", "shape")
+
+    def __init__(self, shape: torch.Size):
+        self.grad: torch.Tensor | None = None
+        self.shape = shape
+
+
+def _check_hook_args(hook, ddp, zero, shard_buckets) -> None:
+    from .zero import ZeroRedundancyOptimizer
+
+    if not callable(hook):
+        raise TypeError(f"hook must be a DDP comm hook (a callable), got {hook!r}")
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"ddp must be a DistributedDataParallel, got {type(ddp).__name__}")
+    if not isinstance(zero, ZeroRedundancyOptimizer):
+        raise TypeError(
+            "zero must be a zero_ext.ZeroRedundancyOptimizer built with overlap_with_ddp=True, "
+            f"got {type(zero).__module__}.{type(zero).__name__}")
+    if not isinstance(shard_buckets, bool):
+        raise TypeError(f"shard_buckets must be a bool, got {shard_buckets!r}")
+    if not zero._overlap_with_ddp:
+        raise ValueError(
+            "ZeroRedundancyOptimizer must be constructed with overlap_with_ddp=True to use this "
+            "hook")
+    bound = getattr(zero, "_overlap", None)
+    if bound is not None and bound.ddp() is not ddp:
+        raise ValueError("this ZeroRedundancyOptimizer already steps inside the backward of "
+                         "another DDP model; build one optimizer per model")
+    if ddp.find_unused_parameters and not ddp.static_graph:
+        raise ValueError(
+            f"{_FLAG} needs DDP's final buckets, and with find_unused_parameters=True (without "
+            "static_graph) DDP never rebuilds them: torch's hooks would never step. Use "
+            "find_unused_parameters=False, or static_graph=True")
+    if zero.world_size > 1:
+        ours = set(dist.get_process_group_ranks(zero.process_group))
+        theirs = set(dist.get_process_group_ranks(ddp.process_group))
+        if not ours <= theirs:
+            raise ValueError("the optimizer's process group has ranks outside DDP's process "
+                             f"group ({sorted(ours - theirs)}): DDP averages no grads there")
+    in_ddp = {id(p) for p in ddp.module.parameters()}
+    missing = [i for i, p in enumerate(zero._all_params)
+               if p.requires_grad and id(p) not in in_ddp]
+    if missing:
+        raise ValueError(f"params {missing[:8]} of the optimizer are not params of this DDP "
+                         "model: its backward would never give them a grad to step")
+
+
+def build_hook(hook, ddp, zero, shard_buckets: bool, interleaved: bool, what: str):
+    """Validate on every rank (an error on one is an error on all), then the wrapped hook."""
+    error = None
+    try:
+        _check_hook_args(hook, ddp, zero, shard_buckets)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+        error = exc
+    if isinstance(ddp, DistributedDataParallel):
+        group = ddp.process_group
+    elif getattr(zero, "_overlap_with_ddp", None) is not None and hasattr(zero, "plan"):
+        group = zero.process_group
+    else:  # neither tells which ranks take part: nothing to agree over
+        raise error
+    agree(group, dist.get_world_size(group), error, what)
+    stepper = zero._overlap = BucketStepper(zero, ddp, interleaved)
+
+    def hook_with_zero(state, bucket):
+        stepper.check_join()  # before the all-reduce: every rank raises at the same point
+        fut = hook(state, bucket)
+        return stepper.on_bucket(bucket, fut)
+
+    return hook_with_zero
+
+
+class BucketStepper:
+    """One optimizer's steps inside one DDP model's backward (see the module docstring)."""
+
+    def __init__(self, zero, ddp, interleaved: bool):
+        self.zero = zero
+        self.ddp = weakref.ref(ddp)
+        self.interleaved = interleaved
+        self.recording: list[list[torch.Tensor]] | None = None  # params per bucket
+        self.bucket_ids: list[list[int | None]] | None = None  # zero's index of each
+        self.plan_key = None
+        self.layout: StepLayout | None = None
+        self.engine: AdamWEngine | None = None
+        self.pending: list = []  # (bucket index, GradBucket, future) not stepped yet
+        self.error: BaseException | None = None
+        self.stepped: list[int] = []
+
+    # ------------------------------------------------------------------ per bucket
+
+    def check_join(self) -> None:
+        if self.zero._join_config.enable or self.ddp()._join_config.enable:
+            raise RuntimeError(
+                f"{_FLAG} does not support Join (uneven inputs): a joined rank would not take "
+                "part in the step's exchange")
+
+    def on_bucket(self, bucket, fut):
+        ddp = self.ddp()
+        if not ddp._has_rebuilt_buckets:
+            return fut  # warm-up: DDP's buckets are not final yet
+        if self.bucket_ids is None:
+            self._record(bucket)  # the first iteration after the rebuild: no step either
+            return fut
+        if bucket.index() == 0:
+            self._start_iteration()
+        self.pending.append((bucket.index(), bucket, fut))
+        if bucket.is_last():
+            for item in self.pending:
+                item[2].wait()
+            self._step(self.pending)
+            self.pending = []
+            self._finish_iteration()
+        elif self.interleaved:
+            done = [item for item in self.pending if item[2].done()]
+            if done:
+                self.pending = [item for item in self.pending if not item[2].done()]
+                self._step(done)
+        return fut
+
+    def _record(self, bucket) -> None:
+        if self.recording is None:
+            self.recording = []
+        if bucket.index() != len(self.recording):
+            raise RuntimeError(f"{_FLAG}: DDP's buckets arrived out of order")
+        self.recording.append(list(bucket.parameters()))
+        if bucket.is_last():
+            index = {id(p): i for i, p in enumerate(self.zero._all_params)}
+            self.bucket_ids = [[index.get(id(p)) for p in ps] for ps in self.recording]
+            self.recording = None
+
+    # ------------------------------------------------------------------ per iteration
+
+    def _start_iteration(self) -> None:
+        zero = self.zero
+        self.error, self.stepped = None, []
+        try:
+            if zero._replicas.refresh():  # memory replaced with p.data = t: follow it
+                self.plan_key = None
+            if self.plan_key != (id(zero.plan), id(zero.plan.local)):
+                self._bind_plan()
+            groups_mod.copy_hyperparameters(zero.param_groups, zero.optim.param_groups)
+            self.fused = zero._fused_step_supported()
+        except Exception as exc:  # noqa: BLE001 - raised on every rank at the last bucket
+            self.error = exc
+        zero._state_changed()
+
+    def _bind_plan(self) -> None:
+        """Which of this rank's pieces each DDP bucket feeds (after construction, a new
+        param group, or moved memory)."""
+        zero = self.zero
+        plan = zero.plan
+        where = {pid: b for b, ids in enumerate(self.bucket_ids) for pid in ids
+                 if pid is not None}
+        chunks: list[list[Segment]] = [[] for _ in self.bucket_ids]
+        for lp in plan.local:
+            b = where.get(lp.param_id)
+            if b is not None:
+                chunks[b].append(Segment(lp.key, 0, lp.length, lp.group, lp.param_id,
+                                         lp.start))
+        self.sources = [_GradSource(p.shape) for p in zero._all_params]
+        self.layout = StepLayout(self.sources, chunks)
+        self.engine = AdamWEngine(zero.optimizer_class)
+        self.plan_key = (id(plan), id(plan.local))
+
+    def _step(self, items) -> None:
+        """The local step of this rank's pieces of the buckets in `items` (all-reduced)."""
+        if self.error is not None:
+            return  # nothing more is stepped; the last bucket raises on every rank
+        try:
+            for src in self.sources:
+                src.grad = None
+            for b, bucket, fut in items:
+                self._set_grads(b, bucket, fut.value())
+            zero = self.zero
+            if self.fused:
+                self.engine.step(zero.optim.param_groups, zero.optim.state, self.layout)
+            else:
+                self._generic_step({b for b, _, _ in items})
+            self.stepped += [b for b, _, _ in items]
+        except Exception as exc:  # noqa: BLE001 - raised on every rank at the last bucket
+            self.error = exc
+        finally:
+            for src in self.sources:
+                src.grad = None
+
+    def _set_grads(self, b: int, bucket, value) -> None:
+        """The averaged grads of bucket `b`, from the hook's result (the bucket's own buffer
+        for allreduce_hook, a new tensor for compressing hooks: the same layout)."""
+        if isinstance(value, (list, tuple)):
+            value = value[0]
+        flat = value.reshape(-1)
+        base = bucket.buffer().storage_offset()
+        for pid, g in zip(self.bucket_ids[b], bucket.gradients()):
+            if pid is not None:
+                off = g.storage_offset() - base
+                self.sources[pid].grad = flat[off:off + g.numel()].view(g.shape)
+
+    def _generic_step(self, buckets: set[int]) -> None:
+        """optimizer_class's own step, given only the pieces of `buckets` as grads (the user's
+        `.grad` of a param is put back afterwards: DDP still writes it)."""
+        zero = self.zero
+        keys = [lp.key for lp in zero.plan.local]
+        saved = [k.grad for k in keys]
+        fed = {id(s.key) for b in buckets for s in self.layout.chunks[b]}
+        try:
+            for lp in zero.plan.local:
+                g = self.sources[lp.param_id].grad if id(lp.key) in fed else None
+                if g is not None and lp.key.shape != g.shape:
+                    g = g.reshape(-1)[lp.start:lp.start + lp.length].view(lp.key.shape)
+                lp.key.grad = g
+            with torch.no_grad():
+                zero.optim.step()
+        finally:
+            for k, g in zip(keys, saved):
+                k.grad = g
+            if zero._stepper is not None:
+                zero._stepper.reset()  # the user's step path: state may be new
+
+    def _finish_iteration(self) -> None:
+        """Every all-reduce is done: agree on errors and hyperparameters, then every owner's
+        update reaches every rank (the regular exchange of the optimizer)."""
+        zero = self.zero
+        hp = zero._hyperparameter_digest()
+        mask = tuple(zero._trainable_mask())
+        mask_hash = hash(mask) & ((1 << 62) - 1)
+        top, bottom, hp_top, hp_bottom = agree(
+            zero.process_group, zero.world_size, self.error, "zero_ext overlap step in DDP's "
+            "backward", (mask_hash, -mask_hash, hp, -hp))
+        zero._check_same_mask(top, bottom)
+        if hp_top != -hp_bottom:
+            raise RuntimeError(
+                f"{_FLAG}: ranks stepped with different hyperparameters (lr, betas, ...) in "
+                "some param group; a scheduler or a manual change must act alike on every rank")
+        zero._replicas.sync(exchange_frozen=False, trainable=mask)
+        groups_mod.copy_hyperparameters(zero.optim.param_groups, zero.param_groups)

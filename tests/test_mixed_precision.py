@@ -168,10 +168,58 @@ def generic_adam_l2(ctx):
                                                                 "parameters_as_bucket_view": True})
 
 
+# fp16 masters on the generic path (issue 19, item 8: only the random harness reached them)
+@SC.scenario()
+def generic_sgd_momentum_fp16(ctx):
+    return _run(ctx, SGD, dict(lr=0.05, momentum=0.9), {"sharding": "param"},
+                dtypes=[fp16] * len(SHAPES))
+
+
+@SC.scenario()
+def generic_adam_l2_fp16_flat(ctx):
+    return _run(ctx, Adam, dict(lr=1e-3, weight_decay=0.01), {"sharding": "flat"},
+                dtypes=[fp16, torch.float32] * (len(SHAPES) // 2))
+
+
 @pytest.mark.parametrize("name", ["generic_sgd_momentum", "generic_sgd_plain",
-                                  "generic_adam_l2"])
+                                  "generic_adam_l2", "generic_sgd_momentum_fp16",
+                                  "generic_adam_l2_fp16_flat"])
 def test_generic_path_steps_the_masters(world, name):
     _check(world.values(name))
+
+
+class _OwnListSGD(torch.optim.SGD):
+    """Steps a list of its own instead of its param_groups (as some third-party code does)."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.own = [p for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.own:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+
+
+@SC.scenario()
+def optimizer_stepping_its_own_list(ctx):
+    """With masters, the generic step hands the optimizer the float32 masters in its
+    param_groups: an optimizer that writes the params themselves would see its update
+    overwritten by the master's rounding; it must be an error on every rank instead."""
+    pz = make_params(SHAPES, seed=5, dtypes=[bf16] * len(SHAPES))
+    opt = _zero(pz, _OwnListSGD, ctx.pg, master_weights=True, sharding="param", lr=0.05)
+    _grads(pz, 0)
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_an_optimizer_that_bypasses_its_param_groups_is_an_error(world):
+    for v in world.values("optimizer_stepping_its_own_list"):
+        assert v is not None and "param_groups" in v, v
 
 
 @SC.scenario()

@@ -4,10 +4,13 @@ The fused engine does all of this inside its kernel (engine.py). Any other
 ``optimizer_class`` (SGD, Adam with L2 decay, a custom subclass) steps plain tensors, so
 `generic_precision` hands it, for the duration of one ``step()``:
 
-- for each bfloat16/float16 key (with ``master_weights``): its float32 master in place of
-  its data, and a float32 copy of its grad, so the optimizer steps the master and creates
-  float32 state; afterwards the key gets its data back and receives the master rounded to
-  nearest even;
+- for each bfloat16/float16 key (with ``master_weights``): its float32 master IN PLACE OF
+  the key, in the group's ``"params"`` list (the same list object: LBFGS keeps a reference
+  to it) and as the key of its state entry, with a float32 copy of the key's grad as the
+  master's ``.grad``; the optimizer steps the master and creates float32 state, then the
+  key is put back and receives the master rounded to nearest even. The key itself is never
+  given other data: a ``.data`` of another dtype would make autograd drop the param's grad
+  accumulator, where DDP hung its all-reduce hook (its grads would no longer be averaged);
 - a grad multiplied by ``factor`` (GradScaler's unscale and a pending clip factor), as a
   temporary, so the user's ``.grad`` is never modified.
 
@@ -33,64 +36,88 @@ def resync_master(master: Tensor, key: Tensor) -> None:
     master.copy_(torch.where(stale, key.to(torch.float32), master))
 
 
+def _master_of(key: Tensor, state: dict, shared: dict) -> Tensor:
+    """The float32 master `key` is stepped through: the one of an earlier key over the same
+    memory (tied params share it), its state's (resynced from the key), or a fresh copy
+    (the first step: the optimizer creates the rest of the state)."""
+    st = state.get(key)
+    if st:  # (an empty state stays empty: the optimizer creates its own)
+        ensure_master_state(st, key)
+    mem = memory_of(key)
+    if mem not in shared:
+        if st:
+            resync_master(st[MASTER], key)
+            shared[mem] = st[MASTER]
+        else:
+            shared[mem] = key.detach().to(torch.float32, copy=True)
+    return shared[mem]
+
+
 @contextmanager
-def generic_precision(keys: Sequence[Tensor], state: dict, master_weights: bool,
-                      factor: Optional[Tensor]) -> Iterator[None]:
-    """See the module docstring. `keys` are the local optimizer's params (their ``.grad``
-    set); `state` its state. Nothing is swapped when there is nothing to do."""
-    swaps = []  # (key, data, grad, master or None)
+def generic_precision(optim: torch.optim.Optimizer, keys: Sequence[Tensor],
+                      master_weights: bool, factor: Optional[Tensor]) -> Iterator[None]:
+    """See the module docstring. `keys` are the local optimizer `optim`'s params (their
+    ``.grad`` set). Nothing is touched when there is nothing to do."""
+    scaled = []  # (key, its own grad): keys stepped with a scaled copy in .grad
+    stand_ins = []  # (key, the float32 tensor stepped in its place, master)
     shared: dict = {}  # keys over one memory (tied params) share one master
     if not master_weights and factor is None:
-        keys = ()  # nothing to swap: no per-key work on this path's every step
+        keys = ()  # no per-key work on this path's every step
+    swapped = []  # (key, stand-in, master, params list, index, key's version)
+    stood_in: set = set()  # ids of the masters already handed to the optimizer
+    state = optim.state
     try:
         with torch.no_grad():
             for k in keys:
                 g = k.grad
                 if g is None:
                     continue
-                use_master = master_weights and has_master(k)
-                if not use_master and factor is None:
-                    continue
-                master = None
-                if use_master:
-                    st = state.get(k)
-                    if st:  # (an empty state stays empty: the optimizer creates its own)
-                        ensure_master_state(st, k)
-                    mem = memory_of(k)
-                    if mem in shared:
-                        master = shared[mem]
-                    elif st:
-                        master = st[MASTER]
-                        resync_master(master, k)
-                    else:
-                        master = k.detach().to(torch.float32, copy=True)
-                    shared.setdefault(mem, master)
-                    g2 = g.to(torch.float32, copy=True)
+                if master_weights and has_master(k):
+                    master = _master_of(k, state, shared)
+                    # a second key over the same memory: its own tensor (its own grad and
+                    # state entry) over the same master values
+                    stand_in = master if id(master) not in stood_in else master.view_as(master)
+                    stood_in.add(id(master))
+                    stand_in.grad = g.to(torch.float32, copy=True)
                     if factor is not None:
-                        g2.mul_(factor.to(g2.device))
-                else:  # in float32, rounded once (as torch's clip multiplies bf16 grads)
-                    g2 = (g.to(torch.float32) * factor.to(g.device)).to(g.dtype) \
+                        stand_in.grad.mul_(factor.to(g.device))
+                    stand_ins.append((k, stand_in, master))
+                elif factor is not None:  # in float32, rounded once (as torch's clip
+                    scaled.append((k, g))  # multiplies bf16 grads)
+                    k.grad = (g.to(torch.float32) * factor.to(g.device)).to(g.dtype) \
                         if g.dtype in LOW_PRECISION else g * factor.to(g.device, g.dtype)
-                data = k.data
-                swaps.append((k, data, g, master))
-                k.grad = None  # a grad must match the data's dtype when data is swapped
-                if master is not None:
-                    k.data = master
-                k.grad = g2
+            if stand_ins:
+                where = {id(p): (grp["params"], i) for grp in optim.param_groups
+                         for i, p in enumerate(grp["params"])}
+                for k, stand_in, master in stand_ins:
+                    params, i = where[id(k)]
+                    params[i] = stand_in
+                    swapped.append((k, stand_in, master, params, i, k._version))
+                    if k in state:
+                        state[stand_in] = state.pop(k)
         yield
+        # an optimizer that wrote the key itself did not step through its group's params
+        wrote = [i for k, _, _, _, i, version in swapped if k._version != version]
     finally:
         with torch.no_grad():
-            for k, data, g, master in swaps:
-                k.grad = None
-                if master is not None:
-                    k.data = data
-                    data.copy_(master)  # rounds to nearest even
-                    # After the step: an optimizer that creates state at a key's first step
-                    # has done so (it saw an empty state); one that keeps none (SGD
-                    # without momentum) gets an entry holding only the master.
-                    state[k] = state.get(k) or {}
-                    state[k][MASTER] = master
+            for k, stand_in, master, params, i, _ in swapped:
+                params[i] = k
+                # An optimizer that creates state at a key's first step has done so under
+                # the stand-in; one that keeps none (SGD without momentum) gets an entry
+                # holding only the master.
+                state[k] = state.pop(stand_in, None) or {}
+                state[k][MASTER] = master
+                k.data.copy_(master)  # rounds to nearest even
+            for _, stand_in, _ in stand_ins:
+                stand_in.grad = None
+            for k, g in scaled:
                 k.grad = g
+    if wrote:
+        raise RuntimeError(
+            f"master_weights=True: {type(optim).__name__}.step() wrote its parameters "
+            "directly instead of the tensors in its param_groups' \"params\" lists (which "
+            "hold the float32 masters during the step); its update is lost. Step the "
+            "tensors of param_groups, or use master_weights=False")
 
 
 def kernel_divisor(grad_scale: Optional[Tensor], clip: Optional[Tensor]

@@ -455,9 +455,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _generic_step(self, closure, grad_scale, **kwargs):
         """optimizer_class's own step on the local share. The grads it reads are multiplied
-        by the step's factor (GradScaler's 1/scale, a pending clip) and master weights are
-        swapped in around it (precision.generic_precision); FusedAdamW gets the factor as
-        its own grad_scale (its kernel applies it in float32)."""
+        by the step's factor (GradScaler's 1/scale, a pending clip); it steps float32 masters
+        in place of low-precision params (precision.generic_precision). FusedAdamW gets the
+        factor as its own grad_scale (its kernel applies it in float32)."""
         if self._stepper is not None:
             self._stepper.reset()  # this step may create or replace state tensors
         own_masters = issubclass(self.optimizer_class, FusedAdamW)
@@ -484,7 +484,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             try:
                 if own_masters and factor is not None:
                     self.optim.grad_scale = factor.reciprocal().reshape(1)
-                with generic_precision([lp.key for lp in self.plan.local], self.optim.state,
+                with generic_precision(self.optim, [lp.key for lp in self.plan.local],
                                        masters, None if own_masters else factor):
                     self.optim.step(**kwargs)
             finally:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["hybrid_groups", "job_of", "Job"]
+__all__ = ["hybrid_groups", "replica_group_of", "job_of", "Job"]
 
 
 def hybrid_groups(shard_size: int | None = None, backend: Any = None) -> tuple[Any, Any]:
@@ -68,7 +68,23 @@ def hybrid_groups(shard_size: int | None = None, backend: Any = None) -> tuple[A
         g = dist.new_group(list(range(j, world, size)), backend=backend)
         if rank % size == j:
             replica = g
+    _REPLICA_OF[id(shard)] = (shard, replica)
     return shard, replica
+
+
+_REPLICA_OF: dict = {}  # id(shard group) -> (shard group, replica group), per hybrid_groups()
+
+
+def replica_group_of(shard_group: Any) -> Any:
+    """The replica group that `hybrid_groups()` returned with `shard_group` (the ranks
+    holding the same shard on other nodes); ValueError for a group it did not make."""
+    entry = _REPLICA_OF.get(id(shard_group))
+    if entry is None or entry[0] is not shard_group:
+        raise ValueError(
+            "zero_ext: the optimizer shards over a part of the job, but its process group "
+            "was not made by zero_ext.hybrid_groups(), so the ranks holding the same shard "
+            "elsewhere are unknown; build the groups with hybrid_groups()")
+    return entry[1]
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from . import grad_norm
+from . import grad_norm, grad_reduce
 from . import groups as groups_mod
 from . import kernels, layout, overlap, state
 from .agree import agree, agree_on_inputs, rendezvous
@@ -167,6 +167,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._overlap_with_ddp = bool(overlap_with_ddp)
         super().__init__(groups, defaults)  # fills defaults into the groups
         Joinable.__init__(self)
+        grad_reduce.track(self)  # reduce_scatter_hook(None, bucket) finds it
         # Every param in group order (torch's ZeRO has this attribute; code in the wild reads it).
         self._all_params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._replicas = Replicas(Exchanger(self.process_group, self.rank, self.world_size),
@@ -369,11 +370,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             inf = int(found_inf_flag(found_inf))
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             inf_error = exc
-        if self._replicas.overlapped or found_inf is not None:
+        # grads left by reduce_scatter_hook and changed since: an error on every rank
+        reduced, inf_error = grad_reduce.check_grads(self, found_inf is not None, inf_error)
+        if self._replicas.overlapped or found_inf is not None or reduced:
             # Buckets sent from inside the local step (overlapped) must be laid out alike
-            # before anything is sent, and GradScaler's verdict must be known before
-            # anything is stepped: agree on both first. Otherwise the step's one agreement
-            # (below, before the exchange) catches ranks that froze different params.
+            # before anything is sent; GradScaler's verdict and grads changed after the
+            # reduce-scatter hook must be known before anything is stepped: agree first.
             top, bottom, inf = agree(self.process_group, self.world_size, inf_error,
                                      "ZeroRedundancyOptimizer.step",
                                      (mask_hash, -mask_hash, inf))

@@ -1,0 +1,304 @@
+"""zero_ext.ddp_zero_hook.reduce_scatter_hook: grads reduce-scattered to their owners in
+DDP's backward, against DDP's own all-reduce + a plain torch.optim.AdamW.
+
+Every scenario runs two copies of one model on every rank, fed the same per-rank batches
+through a REAL DDP backward: the reference (DDP's default all-reduce, torch's AdamW, torch's
+clip_grad_norm_, GradScaler) and the candidate (DDP + reduce_scatter_hook + zero_ext, its
+clip_grad_norm_). After every step the params must agree (atol/rtol 1e-6; Adam amplifies
+rounding in near-zero grads, hence not bitwise) and be bitwise equal on every rank; the
+returned grad norms agree to fp32 rounding. Covered: both sharding modes, bucket views,
+gradient_as_bucket_view, several small DDP buckets (DDP rebuilds them after iteration 1),
+grad accumulation under no_sync, find_unused_parameters with an unused branch and a frozen
+param, the hook state None (the optimizer found from the bucket's params), GradScaler,
+bf16 params with master weights, a hybrid layout (2 replicas x 2 shards), state dicts
+across modes, and the errors: torch's clip (or any in-place change / replacement of the
+grads) after the hook, and Join.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import gloo_available, run_world
+
+pytestmark = pytest.mark.skipif(not gloo_available(), reason="needs torch.distributed with gloo")
+
+TOL = dict(atol=1e-6, rtol=1e-6)
+HP = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, unused_branch=False, frozen=False, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Linear(12, 24)
+        self.mid = torch.nn.Linear(24, 40)
+        self.norm = torch.nn.LayerNorm(40)
+        self.head = torch.nn.Linear(40, 5)
+        self.unused = torch.nn.Linear(40, 3) if unused_branch else None
+        if frozen:
+            self.mid.bias.requires_grad_(False)
+        self.to(dtype)
+
+    def forward(self, x, use_branch=False):
+        h = torch.relu(self.emb(x))
+        h = self.norm(torch.relu(self.mid(h)))
+        out = self.head(h)
+        if use_branch and self.unused is not None:
+            out = out + self.unused(h).sum()
+        return out
+
+
+def _groups(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _batch(rank, it, micro=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * it + 10 * rank + micro)
+    return torch.randn(6 + rank, 12, generator=g).to(dtype)  # uneven per-rank batches
+
+
+def _pair(rank, cfg, group=None):
+    """(reference DDP + AdamW, candidate DDP + hook + zero_ext) on one model's copies."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    dtype = cfg.get("dtype", torch.float32)
+    kw = dict(bucket_cap_mb=0.002,  # several buckets even for this small model
+              find_unused_parameters=cfg.get("find_unused", False),
+              gradient_as_bucket_view=cfg.get("grad_view", False))
+    net_kw = dict(unused_branch=cfg.get("find_unused", False), frozen=cfg.get("frozen", False),
+                  dtype=dtype)
+    m_ref, m_zero = _Net(**net_kw), _Net(**net_kw)
+    if dtype != torch.float32:  # the reference steps float32 masters, as master_weights do
+        m_ref = m_ref.float()
+    ref = DDP(m_ref, **kw)
+    zero = DDP(m_zero, **kw)
+    o_ref = torch.optim.AdamW(_groups(m_ref), **HP)
+    o_zero = ZeroRedundancyOptimizer(_groups(m_zero), torch.optim.AdamW, process_group=group,
+                                     sharding=cfg.get("sharding", "param"),
+                                     parameters_as_bucket_view=cfg.get("bucket_view", False),
+                                     master_weights=dtype != torch.float32, **HP)
+    zero.register_comm_hook(None if cfg.get("state_none") else o_zero, reduce_scatter_hook)
+    return (ref, o_ref), (zero, o_zero)
+
+
+def _iteration(rank, it, ddp, opt, cfg, is_ref, scaler=None):
+    dtype = cfg.get("dtype", torch.float32)
+    micro = cfg.get("accumulate", 1)
+    use_branch = cfg.get("find_unused", False) and it % 2 == 1
+    for k in range(micro):
+        x = _batch(rank, it, k, torch.float32 if is_ref else dtype)
+        ctx = ddp.no_sync() if k < micro - 1 else torch.enable_grad()
+        with ctx:
+            loss = ddp(x, use_branch).float().square().mean() / micro
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+    norm = None
+    if cfg.get("clip"):
+        if scaler is not None:
+            scaler.unscale_(opt)
+        norm = (torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05) if is_ref
+                else opt.clip_grad_norm_(0.05))
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad()
+    return norm
+
+
+def _parity(rank, world, cfg):
+    (ref, o_ref), (zero, o_zero) = _pair(rank, cfg)
+    scalers = ((torch.amp.GradScaler("cpu", init_scale=2.0 ** 8),
+                torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)) if cfg.get("scaler")
+               else (None, None))
+    norms = []
+    for it in range(cfg.get("iters", 5)):
+        n_ref = _iteration(rank, it, ref, o_ref, cfg, True, scalers[0])
+        n_zero = _iteration(rank, it, zero, o_zero, cfg, False, scalers[1])
+        if n_ref is not None:
+            norms.append((float(n_ref), float(n_zero)))
+        for (name, a), b in zip(ref.module.named_parameters(), zero.module.parameters()):
+            torch.testing.assert_close(b.detach().float(), a.detach(), **cfg.get("tol", TOL),
+                                       msg=lambda m, it=it, name=name: f"iter {it} {name}: {m}")
+    for a, b in norms:
+        assert abs(a - b) <= cfg.get("norm_rtol", 1e-5) * max(1.0, abs(a)), (a, b)
+    return [p.detach().clone() for p in zero.module.parameters()]
+
+
+def _same_everywhere(per_rank):
+    for r in range(1, len(per_rank)):
+        for a, b in zip(per_rank[0], per_rank[r]):
+            assert torch.equal(a, b), f"rank {r} differs from rank 0"
+
+
+CASES = {
+    "param": dict(sharding="param", clip=True),
+    "flat": dict(sharding="flat", clip=True),
+    "param-bucket-view": dict(sharding="param", bucket_view=True, clip=True),
+    "flat-bucket-view-grad-view": dict(sharding="flat", bucket_view=True, grad_view=True,
+                                       clip=True),
+    "accumulate-no-sync": dict(sharding="flat", accumulate=3, clip=True),
+    "unused-and-frozen": dict(sharding="param", find_unused=True, frozen=True, clip=True),
+    "state-none": dict(sharding="flat", state_none=True),
+    "grad-scaler": dict(sharding="flat", scaler=True, clip=True, grad_view=True),
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_ddp_allreduce_and_adamw(world, case):
+    if world == 3 and case not in ("param", "flat", "accumulate-no-sync", "grad-scaler"):
+        pytest.skip("world 3 runs the main cases only (2 cores)")
+    _same_everywhere(run_world(_parity, world, CASES[case]))
+
+
+def test_bf16_master_weights():
+    """bf16 params + master weights: the owner sums the bf16 grads in float32; the params
+    follow an fp32 AdamW on the averaged grads to bf16 rounding."""
+    cfg = dict(sharding="flat", dtype=torch.bfloat16, clip=True, tol=dict(atol=2e-2, rtol=2e-2),
+               norm_rtol=5e-2)  # (the reference's forward runs in float32)
+    _same_everywhere(run_world(_parity, 2, cfg))
+
+
+# ------------------------------------------------------------------ hybrid layout
+
+def _hybrid(rank, world, sharding):
+    from zero_ext import hybrid_groups
+
+    shard, _replica = hybrid_groups(shard_size=2)
+    (ref, o_ref), (zero, o_zero) = _pair(rank, dict(sharding=sharding), group=shard)
+    for it in range(4):
+        _iteration(rank, it, ref, o_ref, {"clip": True}, True)
+        _iteration(rank, it, zero, o_zero, {"clip": True}, False)
+        for a, b in zip(ref.module.parameters(), zero.module.parameters()):
+            torch.testing.assert_close(b.detach(), a.detach(), **TOL)
+    return [p.detach().clone() for p in zero.module.parameters()]
+
+
+@pytest.mark.parametrize("sharding", ["param", "flat"])
+def test_hybrid_layout_two_replicas_of_two_shards(sharding):
+    _same_everywhere(run_world(_hybrid, 4, sharding))
+
+
+# ------------------------------------------------------------------ checkpoints across modes
+
+def _across_modes(rank, world):
+    """3 steps with the hook, state_dict() on every rank; a new optimizer without the hook
+    loads it and trains on: equal to 6 plain steps of the reference."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+
+    cfg = dict(sharding="flat", clip=True)
+    (ref, o_ref), (zero, o_zero) = _pair(rank, cfg)
+    for it in range(3):
+        _iteration(rank, it, ref, o_ref, cfg, True)
+        _iteration(rank, it, zero, o_zero, cfg, False)
+    sd = o_zero.state_dict()
+    plain = DDP(zero.module, bucket_cap_mb=0.002)  # DDP's own all-reduce from here on
+    o2 = ZeroRedundancyOptimizer(_groups(zero.module), torch.optim.AdamW, sharding="param", **HP)
+    o2.load_state_dict(sd if rank == 0 else None)
+    for it in range(3, 6):
+        _iteration(rank, it, ref, o_ref, cfg, True)
+        _iteration(rank, it, plain, o2, cfg, False)
+    for a, b in zip(ref.module.parameters(), zero.module.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), **TOL)
+    return [p.detach().clone() for p in zero.module.parameters()]
+
+
+def test_state_dict_from_the_hook_mode_loads_without_it():
+    _same_everywhere(run_world(_across_modes, 2))
+
+
+# ------------------------------------------------------------------ what must raise
+
+def _misuse(rank, world, how):
+    cfg = dict(sharding="param", grad_view=how == "torch-clip-bucket-view")
+    _, (zero, opt) = _pair(rank, cfg)
+    _iteration(rank, 0, zero, opt, {}, False)  # one good step
+    zero(_batch(rank, 1)).square().mean().backward()
+    if how.startswith("torch-clip"):
+        torch.nn.utils.clip_grad_norm_(zero.parameters(), 1e-3)
+    elif how == "scale-one-grad":
+        next(zero.parameters()).grad.mul_(0.5)
+    elif how == "replace-grad":
+        p = next(zero.parameters())
+        p.grad = p.grad.clone()
+    elif how == "scaler-then-torch-clip":
+        scaler = torch.amp.GradScaler("cpu")
+        opt.zero_grad()
+        scaler.scale(zero(_batch(rank, 2)).square().mean()).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(zero.parameters(), 1e-3)
+        try:
+            scaler.step(opt)
+        except RuntimeError as exc:
+            return str(exc)
+        return None
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("how", ["torch-clip", "torch-clip-bucket-view", "scale-one-grad",
+                                 "replace-grad", "scaler-then-torch-clip"])
+def test_grads_changed_after_the_hook_raise_on_every_rank(how):
+    msgs = run_world(_misuse, 2, how)
+    for m in msgs:
+        assert m is not None and "clip_grad_norm_" in m, m
+
+
+def _join(rank, world):
+    from torch.distributed.algorithms.join import Join
+
+    _, (zero, opt) = _pair(rank, dict(sharding="param"))
+    try:
+        with Join([zero, opt]):
+            zero(_batch(rank, 0)).square().mean().backward()
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+def test_join_is_a_clear_error():
+    for m in run_world(_join, 2):
+        assert m is not None and "Join" in m, m
+
+
+def _bytes(rank, world, sharding):
+    """Elements this rank sends in the hook's all_to_all per iteration vs the model."""
+    import torch.distributed as dist
+
+    sent = []
+    real = dist.all_to_all_single
+
+    def counting(out, inp, output_split_sizes=None, input_split_sizes=None, **kw):
+        sent.append(sum(n for r, n in enumerate(input_split_sizes) if r != rank))
+        return real(out, inp, output_split_sizes, input_split_sizes, **kw)
+
+    dist.all_to_all_single = counting
+    try:
+        _, (zero, opt) = _pair(rank, dict(sharding=sharding))
+        for it in range(2):
+            sent.clear()
+            _iteration(rank, it, zero, opt, {}, False)
+    finally:
+        dist.all_to_all_single = real
+    return sum(sent), sum(p.numel() for p in zero.module.parameters())
+
+
+@pytest.mark.parametrize("sharding", ["param", "flat"])
+def test_each_rank_sends_only_what_others_own(sharding):
+    """Over the ranks, the hook sends (W-1)/W of the model's grads per rank on average
+    (each element once to its owner from every other rank): half of DDP's all-reduce."""
+    out = run_world(_bytes, 2, sharding)
+    total = out[0][1]
+    assert sum(s for s, _ in out) == total  # W=2: every element leaves one rank once

@@ -1,0 +1,376 @@
+"""Grads reduce-scattered to their owners during DDP's backward: ZeRO at DDP's bytes.
+
+DDP all-reduces every grad to every rank (2(W-1)/W of the model's bytes per rank), and a
+ZeRO step then sends every owner's updated params again ((W-1)/W more: 1.5x DDP). Yet a
+rank's step reads only the grads of the elements it owns. `reduce_scatter_hook`, a DDP comm
+hook, sends each bucket's grads only to their owners: every rank sends the elements others
+own ((W-1)/W of the bytes), every owner sums what it receives. With the exchange after the
+step, an iteration moves DDP's bytes.
+
+- Ownership is the optimizer's own plan (whole params or flat ranges, any sharding mode),
+  so nothing about the step, the state or checkpoints changes; a DDP bucket is cut by it.
+- Transport is one `all_to_all_single` per bucket with split sizes (any ownership map),
+  then a local sum: on gloo it costs less than `reduce_scatter_tensor`, which costs more
+  than a whole all-reduce (measured: docs/design.md), and it moves raw bytes (bf16 too)
+  while the sum runs here in float32 for bf16/fp16 grads.
+- Hybrid layouts (the optimizer shards over a part of the job, `zero_ext.hybrid_groups()`):
+  the owned sum is then all-reduced over the replica group.
+- A bucket that holds params of no zero_ext optimizer, or of several, is all-reduced as DDP
+  does (correct, DDP's bytes for it).
+
+After the hook, `.grad` holds the averaged grad only where this rank owns the elements;
+elsewhere it is this rank's local grad. So a script that changes grads in place between
+backward and step (torch.nn.utils.clip_grad_norm_ computes from partial grads) is caught:
+every grad's version counter is read once DDP has written the grads back, and the next
+step raises on every rank when one changed (GradScaler's own in-place inf check and
+`unscale_`, a uniform scaling that commutes with the average, are allowed).
+"""
+# (no `from __future__ import annotations`: DDP checks the hook's annotations as objects)
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import layout
+from .sync import wire_view
+
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # every ZeroRedundancyOptimizer alive
+
+
+def track(opt) -> None:
+    """Make `opt` findable by `reduce_scatter_hook(None, bucket)`."""
+    _LIVE.add(opt)
+
+
+@dataclass
+class _BucketPlan:
+    """How one DDP bucket travels: per destination rank, the (offset, length) runs of the
+    bucket buffer it owns, in rank order."""
+
+    params: tuple          # identities of the bucket's params (DDP rebuilds buckets)
+    plan_key: tuple        # identity of the shard plan it was cut by
+    runs: list             # runs[r]: [(offset, length)] owned by rank r
+    splits: list           # elements owned by each rank
+    in_place: bool         # the runs in rank order are the buffer in order: no packing
+
+
+class GradReducer:
+    """The reduce-scatter of one optimizer's grads, and the check before its step."""
+
+    def __init__(self, opt):
+        self.opt = weakref.ref(opt)
+        self.buckets: dict[int, _BucketPlan] = {}
+        self._owned: tuple | None = None  # (plan key, {param_id: [(rank, start, length)]})
+        self.replica_group = None
+        self._armed = False     # a callback is queued for the end of this backward
+        self.seq = 0            # the hook's calls in this backward (bucket order)
+        self.ordered = _InOrder()
+        self.seen: list | None = None  # (grad, version) per param once DDP wrote them
+
+    # -------------------------------------------------------------- ownership
+    def owned_runs(self) -> dict[int, list[tuple[int, int, int]]]:
+        """param_id -> [(rank, start, length)]: who owns which elements of each param."""
+        plan = self.opt().plan
+        key = (id(plan), id(plan.buckets), len(plan.buckets))
+        if self._owned is None or self._owned[0] != key:
+            out: dict[int, list] = {}
+            for b in plan.buckets:
+                for r in range(plan.world_size):
+                    for pc in b.pieces(r):
+                        out.setdefault(pc.param_id, []).append((r, pc.start, pc.length))
+            if plan.sharding == layout.PARAM:  # params outside the buckets: whole, by owner
+                for pid, r in enumerate(plan.owner):
+                    if pid not in out:
+                        out[pid] = [(r, 0, plan.params[pid].numel())]
+            self._owned = (key, out)
+        return self._owned[1]
+
+    def bucket_plan(self, bucket) -> _BucketPlan | None:
+        """The plan of DDP's `bucket`, or None when it holds params this optimizer does not
+        own entirely (then it is all-reduced)."""
+        params = bucket.parameters()
+        ident = tuple(id(p) for p in params)
+        opt = self.opt()
+        owned = self.owned_runs()
+        bp = self.buckets.get(bucket.index())
+        if bp is not None and bp.params == ident and bp.plan_key == self._owned[0]:
+            return bp
+        index = param_index(opt)
+        world = opt.world_size
+        runs: list[list] = [[] for _ in range(world)]
+        offset = 0
+        for p in params:
+            pid = index.get(id(p))
+            if pid is None:
+                return None
+            for r, start, length in sorted(owned[pid], key=lambda x: x[1]):
+                if length:
+                    _append_run(runs[r], offset + start, length)
+            offset += p.numel()
+        if offset != bucket.buffer().numel():
+            raise RuntimeError(
+                f"reduce_scatter_hook: DDP bucket {bucket.index()} holds "
+                f"{bucket.buffer().numel()} elements, its params {offset}: an unknown DDP "
+                "bucket layout; use DDP's default all-reduce")
+        flat = [run for r in range(world) for run in runs[r]]
+        in_place, pos = True, 0
+        for o, n in flat:
+            in_place = in_place and o == pos
+            pos = o + n
+        bp = _BucketPlan(ident, self._owned[0], runs, [sum(n for _, n in rr) for rr in runs],
+                         in_place)
+        self.buckets[bucket.index()] = bp
+        return bp
+
+    # -------------------------------------------------------------- the reduce
+    def reduce(self, bucket, bp: _BucketPlan) -> torch.futures.Future:
+        self._arm()  # here, on the autograd thread (the future's callbacks run elsewhere)
+        seq, self.seq = self.seq, self.seq + 1
+        opt = self.opt()
+        buf = bucket.buffer()
+        group, world, me = opt.process_group, opt.world_size, opt.rank
+        send = buf if bp.in_place else torch.cat(
+            [buf[o:o + n] for r in range(world) for o, n in bp.runs[r]])
+        mine = bp.splits[me]
+        recv = torch.empty(world * mine, dtype=buf.dtype, device=buf.device)
+        backend = dist.get_backend(group)
+        work = dist.all_to_all_single(wire_view(recv, backend), wire_view(send, backend),
+                                      output_split_sizes=[mine] * world,
+                                      input_split_sizes=bp.splits, group=group,
+                                      async_op=True)
+        replicas = self.replica_group
+        total = world * (1 if replicas is None else dist.get_world_size(replicas))
+
+        def write_back(summed) -> torch.Tensor:
+            summed.div_(total)
+            pos = 0
+            for o, n in bp.runs[me]:
+                buf[o:o + n].copy_(summed[pos:pos + n])
+                pos += n
+            return buf
+
+        def owned_sum():
+            wide = buf.dtype in (torch.bfloat16, torch.float16)
+            return recv.view(world, mine).sum(0, dtype=torch.float32 if wide else None)
+
+        if replicas is None:
+            return work.get_future().then(
+                lambda fut: (fut.wait(), write_back(owned_sum()) if mine else buf)[1])
+        # Hybrid: the owned sum is then all-reduced across the replicas. Futures complete
+        # in any order, but collectives must be issued in the same order on every rank:
+        # the bucket order (DDP runs the hook bucket by bucket, alike everywhere).
+        result = torch.futures.Future()
+
+        def after_shard_sum(fut) -> None:
+            try:
+                fut.wait()
+                summed = owned_sum() if mine else None
+            except Exception as exc:  # noqa: BLE001 - handed to DDP through the future
+                result.set_exception(exc)
+                summed = None
+
+            def issue() -> None:
+                if summed is None:
+                    if not result.done():
+                        result.set_result(buf)
+                    return
+                w = dist.all_reduce(summed, group=replicas, async_op=True)
+                w.get_future().then(lambda f: _settle(result, lambda: (
+                    f.wait(), write_back(summed))[1]))
+
+            self.ordered.submit(seq, issue)
+
+        work.get_future().then(after_shard_sum)
+        return result
+
+    # -------------------------------------------------------------- the check
+    def _arm(self) -> None:
+        """Read the grads' versions once DDP has written the reduced buckets into them:
+        its finalizer is queued after the last bucket's hook, so a callback queued from a
+        callback that runs before it comes after it."""
+        if self._armed:
+            return
+        self._armed = True  # the first bucket of a backward
+        self.seen = None
+        self.seq = 0
+        self.ordered = _InOrder()
+        engine = torch.autograd.Variable._execution_engine
+        try:
+            engine.queue_callback(lambda: engine.queue_callback(self._record))
+        except RuntimeError:  # not inside a backward (DDP's join hook runs buckets itself)
+            self._armed = False
+
+    def _record(self) -> None:
+        self._armed = False
+        opt = self.opt()
+        if opt is not None:
+            self.seen = [None if p.grad is None else (p.grad, p.grad._version)
+                         for p in opt._all_params]
+
+    def changed_grads(self, scaler: bool) -> list[int]:
+        """Indices of params whose grad was replaced or written in place since the hook
+        (GradScaler's one in-place pass over every grad allowed when `scaler`), and
+        forget what was read: the check applies to one step."""
+        seen, self.seen = self.seen, None
+        if seen is None:
+            return []
+        params = self.opt()._all_params
+        # A grad's version counter is shared by every grad viewing one buffer (DDP's
+        # gradient_as_bucket_view); GradScaler's pass (its inf check in step(), or
+        # unscale_) bumps it once per such grad, where its kernel bumps versions at all.
+        allowed: dict = {}
+        if scaler:
+            for p in params:
+                if p.grad is not None and _scaler_bumps_versions(p.grad.device):
+                    k = _counter_key(p.grad)
+                    allowed[k] = allowed.get(k, 0) + 1
+        out = []
+        for i, (p, s) in enumerate(zip(params, seen)):
+            g = p.grad
+            if s is None or g is not s[0]:
+                if s is not None or g is not None:
+                    out.append(i)
+                continue
+            bumped = g._version - s[1]
+            if bumped and bumped != allowed.get(_counter_key(g)):
+                out.append(i)
+        return out
+
+
+_SCALER_BUMPS: dict = {}
+
+
+def _scaler_bumps_versions(device: torch.device) -> bool:
+    """Whether GradScaler's in-place unscale kernel advances the version counters of the
+    grads on `device` (it does not on CPU in torch 2.14): asked once per device type."""
+    if device.type not in _SCALER_BUMPS:
+        t = torch.zeros(1, device=device)
+        v = t._version
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [t], torch.zeros(1, device=device), torch.ones(1, device=device))
+        _SCALER_BUMPS[device.type] = t._version != v
+    return _SCALER_BUMPS[device.type]
+
+
+class _InOrder:
+    """Runs submitted actions in the order of their sequence numbers, whichever thread
+    submits them (each runs once every earlier one has been submitted and run)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.next = 0
+        self.waiting: dict = {}
+
+    def submit(self, seq: int, action) -> None:
+        with self.lock:
+            self.waiting[seq] = action
+            while self.next in self.waiting:
+                self.waiting.pop(self.next)()
+                self.next += 1
+
+
+def _settle(result: torch.futures.Future, compute) -> None:
+    try:
+        result.set_result(compute())
+    except Exception as exc:  # noqa: BLE001 - handed to DDP through the future
+        result.set_exception(exc)
+
+
+def _counter_key(g: torch.Tensor) -> tuple:
+    base = g._base if g._base is not None else g
+    return (base.device, base.untyped_storage().data_ptr())
+
+
+def _append_run(runs: list, offset: int, length: int) -> None:
+    if runs and runs[-1][0] + runs[-1][1] == offset:
+        runs[-1] = (runs[-1][0], runs[-1][1] + length)
+    else:
+        runs.append((offset, length))
+
+
+def reducer_of(opt) -> GradReducer:
+    r = opt.__dict__.get("_grad_reducer")
+    if r is None:
+        r = opt.__dict__["_grad_reducer"] = GradReducer(opt)
+        if opt.process_group is not None and dist.get_world_size() > opt.world_size:
+            from .hybrid import replica_group_of
+
+            r.replica_group = replica_group_of(opt.process_group)
+    return r
+
+
+def param_index(opt) -> dict[int, int]:
+    """id(param) -> its index in `opt`'s params (kept while no group is added)."""
+    cached = opt.__dict__.get("_zero_ext_param_index")
+    if cached is None or cached[0] != len(opt._all_params):
+        cached = (len(opt._all_params), {id(p): i for i, p in enumerate(opt._all_params)})
+        opt.__dict__["_zero_ext_param_index"] = cached
+    return cached[1]
+
+
+def _owner_of(bucket, state: Any):
+    from .zero import ZeroRedundancyOptimizer
+
+    if state is not None:
+        if not isinstance(state, ZeroRedundancyOptimizer):
+            raise TypeError("reduce_scatter_hook: the hook's state must be a zero_ext "
+                            f"ZeroRedundancyOptimizer or None, got {type(state).__name__}")
+        return state
+    first = id(bucket.parameters()[0])
+    for opt in list(_LIVE):
+        if first in param_index(opt):
+            return opt
+    return None
+
+
+def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
+                        ) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: each grad goes, summed and averaged, only to the rank that owns its
+    elements in zero_ext's optimizer (`state`, or None to find the optimizer holding the
+    bucket's params). Register with ``ddp.register_comm_hook(opt_or_None,
+    reduce_scatter_hook)``; then call ``opt.clip_grad_norm_`` (not torch's) and
+    ``opt.step()`` as usual. See the module docstring for what ``.grad`` holds."""
+    opt = _owner_of(bucket, state)
+    if opt is None:
+        return _all_reduce(bucket, None)
+    if opt._join_config.enable:
+        raise NotImplementedError(
+            "reduce_scatter_hook under a Join context (uneven inputs) is not supported: "
+            "register DDP's default all-reduce for training with Join")
+    reducer = reducer_of(opt)
+    bp = reducer.bucket_plan(bucket)
+    if bp is None:  # (hybrid: DDP's group is the whole job)
+        return _all_reduce(bucket, None if reducer.replica_group else opt.process_group)
+    return reducer.reduce(bucket, bp)
+
+
+def _all_reduce(bucket, group) -> torch.futures.Future:
+    """What DDP does by default: the bucket summed over `group` (None: the job), averaged."""
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size(group))
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    return work.get_future().then(lambda fut: (fut.wait(), buf)[1])
+
+
+def check_grads(opt, scaler: bool, error: BaseException | None
+                ) -> tuple[bool, BaseException | None]:
+    """At the start of `opt`'s step: whether the hook reduced its grads since the last
+    step (the same on every rank: DDP ran the hook everywhere), and `error`, or an error
+    naming the grads changed after the hook when there is none yet."""
+    reducer = opt.__dict__.get("_grad_reducer")
+    if reducer is None or reducer.seen is None:
+        return False, error
+    changed = reducer.changed_grads(scaler)
+    if changed and error is None:
+        error = RuntimeError(
+            f"ZeroRedundancyOptimizer.step: the grads of params {changed[:8]}"
+            f"{'...' if len(changed) > 8 else ''} were changed after zero_ext's "
+            "reduce_scatter_hook reduced them. With that hook each rank's .grad holds the "
+            "averaged grad only for the elements the rank owns, so torch.nn.utils."
+            "clip_grad_norm_ (or any in-place change of the grads) computes from partial "
+            "grads: use opt.clip_grad_norm_(max_norm), which returns the true global norm "
+            "and clips inside the step (GradScaler works as usual)")
+    return True, error

@@ -9,8 +9,9 @@ in requirements-test.txt.
 - accelerate: prepare(model, opt, dataloader, scheduler) with default arguments,
   clip_grad_norm_, save_state / load_state (no zero_ext-specific line);
 - Hugging Face Trainer: optimizer_cls_and_kwargs, max_grad_norm, save_steps, plus
-  ZeroCheckpointCallback; without it the main process's save names the callback instead of
-  hanging;
+  ZeroCheckpointCallback; without it every rank's first step names the callback (no hang,
+  no checkpoint folder); an optimizer built before TrainingArguments (no process group
+  yet) raises ValueError instead of quietly not sharding;
 - PyTorch Lightning: DDP strategy, gradient_clip_val, ModelCheckpoint(every_n_train_steps),
   bucket views (no zero_ext-specific line).
 """
@@ -96,16 +97,79 @@ def test_hf_trainer_checkpoint_and_resume(tmp):
     _assert_resumed_exactly(os.path.join(tmp, "a"), os.path.join(tmp, "b"))
 
 
-def test_hf_trainer_without_the_callback_names_it(tmp):
+def test_hf_trainer_without_the_callback_fails_at_the_first_step(tmp):
     """Trainer saves from the main process only: without the callback, rank 0's
-    state_dict() waits for a rank that never comes; the error (here after 5 s) names the
-    callback."""
+    state_dict() would wait for ranks that never come, with checkpoint-4 half-written.
+    Every rank raises at its first step instead, naming the callback, before any
+    checkpoint folder exists. (The short rendezvous timeout only bounds a regression: the
+    late state_dict()-time error then arrives at step 4, and this test fails.)"""
     pytest.importorskip("transformers")
-    res = _torchrun("train_hf_trainer.py", "--out", os.path.join(tmp, "a"), "--run-dir",
-                    os.path.join(tmp, "r"), "--no-callback",
+    out, run_dir = os.path.join(tmp, "a"), os.path.join(tmp, "r")
+    res = _torchrun("train_hf_trainer.py", "--out", out, "--run-dir", run_dir, "--no-callback",
                     env={"ZERO_EXT_RENDEZVOUS_TIMEOUT_S": "5", "ZERO_EXT_RENDEZVOUS_WARN_S": "2"})
     assert res.returncode != 0
     assert "ZeroCheckpointCallback" in res.stderr, res.stderr[-4000:]
+    for r in range(2):
+        assert os.path.isfile(os.path.join(out, f"result_{r}.pt")), \
+            f"rank {r} recorded no error:\n{res.stderr[-4000:]}"
+        rec = _load(out, r)
+        assert "ZeroCheckpointCallback" in rec["error"], (r, rec["error"])
+        assert rec["global_step"] == 0, (r, rec["global_step"], rec["error"])
+        assert rec["checkpoints"] == [], (r, rec["checkpoints"])
+    assert not any(n.startswith("checkpoint-") for n in os.listdir(run_dir))
+
+
+def test_trainer_check_decides_from_the_trainer_on_the_stack():
+    """The first-step check, in one process: a sharded optimizer stepped from inside a
+    Trainer that saves optimizer state without the callback raises; with the callback, with
+    nothing saved (save_strategy='no', save_only_model), for a world of one (state_dict()
+    then needs no other rank) or with no Trainer on the stack, it passes."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+
+    from zero_ext.integrations.transformers import ZeroCheckpointCallback
+    from zero_ext.launcher import FirstStepCheck
+
+    class Driving(Trainer):
+        def loop(self, opt, check):  # the Trainer's loop calling the optimizer's step
+            check(opt, (), {})
+
+    def trainer(callbacks, **args):
+        t = Driving.__new__(Driving)  # only what the check reads
+        t.args = SimpleNamespace(**{"save_strategy": "steps", "save_only_model": False, **args})
+        t.callback_handler = SimpleNamespace(callbacks=callbacks)
+        return t
+
+    sharded, single = SimpleNamespace(world_size=2), SimpleNamespace(world_size=1)
+    check = FirstStepCheck()
+    for _ in range(2):  # not marked done by a failure: the next step raises again
+        with pytest.raises(RuntimeError, match="ZeroCheckpointCallback"):
+            trainer([]).loop(sharded, check)
+    trainer([ZeroCheckpointCallback()]).loop(sharded, FirstStepCheck())
+    trainer([], save_strategy="no").loop(sharded, FirstStepCheck())
+    trainer([], save_only_model=True).loop(sharded, FirstStepCheck())
+    trainer([]).loop(single, FirstStepCheck())
+    FirstStepCheck()(sharded, (), {})
+    check(sharded, (), {})  # passed once: done, the Trainer is not looked for again
+    trainer([]).loop(sharded, check)
+
+
+def test_hf_trainer_optimizer_built_before_training_arguments(tmp):
+    """Under torchrun, TrainingArguments creates the process group: a ZeRO optimizer built
+    before it raises ValueError (as torch's does) naming both fixes, on every rank; built
+    after it, it shards over the 2 ranks."""
+    pytest.importorskip("transformers")
+    out = os.path.join(tmp, "a")
+    _run_ok("train_hf_trainer.py", "--out", out, "--run-dir", os.path.join(tmp, "r"),
+            "--optimizer-before-args")
+    for r in range(2):
+        rec = _load(out, r)
+        err = rec["early_error"]
+        assert err is not None and "init_process_group" in err, (r, err)
+        assert "optimizer_cls_and_kwargs" in err and "TrainingArguments" in err, (r, err)
+        assert rec["world_size_after"] == 2, (r, rec["world_size_after"])
 
 
 def test_lightning_ddp_checkpoint_and_resume(tmp):

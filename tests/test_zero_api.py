@@ -475,3 +475,45 @@ def test_default_group_usable_after_mismatch(world):
         assert v["allreduce"] == world.world_size
         for a, b in zip(v["params"], vals[0]["params"]):
             assert torch.equal(a, b), f"rank {r} params differ from rank 0 after a step"
+
+
+# ------------------------------------------------------------------ no process group yet
+
+def test_built_under_torchrun_before_the_process_group_raises(monkeypatch):
+    """torchrun announced 2 ranks (WORLD_SIZE) but no group exists yet (e.g. the optimizer
+    was built before HF's TrainingArguments, which creates it): ValueError naming the fix,
+    as torch's ZeRO raises, instead of an unsharded optimizer on every rank."""
+    import torch.distributed as dist
+
+    if AGAINST_TORCH or dist.is_available() and dist.is_initialized():
+        pytest.skip("zero_ext's message; needs a process without a group")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="WORLD_SIZE=2") as info:
+        zero_class()([_p(3)], AdamW, lr=0.1)
+    for fix in ("init_process_group", "TrainingArguments", "optimizer_cls_and_kwargs"):
+        assert fix in str(info.value), fix
+
+
+@pytest.mark.parametrize("world_size", [None, "1", ""])
+def test_plain_single_process_without_a_group_still_trains(monkeypatch, world_size):
+    """`python train.py` (no launcher) and torchrun with one rank: a world of one, as
+    before; checked against torch's AdamW fed the same grads."""
+    import torch.distributed as dist
+
+    if AGAINST_TORCH or dist.is_available() and dist.is_initialized():
+        pytest.skip("torch's ZeRO needs a group; needs a process without a group")
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    ps, rs = make_params([(4, 3), (5,)], seed=3), make_params([(4, 3), (5,)], seed=3)
+    opt = zero_class()(ps, AdamW, lr=0.1)
+    ref = AdamW(rs, lr=0.1)
+    assert (opt.world_size, opt.rank, opt.process_group) == (1, 0, None)
+    for step in range(3):
+        fake_grads(ps, step)
+        fake_grads(rs, step)
+        opt.step()
+        ref.step()
+    for p, r in zip(ps, rs):
+        torch.testing.assert_close(p.detach(), r.detach(), atol=1e-6, rtol=1e-6)

@@ -16,13 +16,12 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from . import grad_norm, grad_reduce
 from . import groups as groups_mod
-from . import kernels, layout, overlap, state
+from . import kernels, launcher, layout, overlap, state
 from .agree import agree, agree_on_inputs, rendezvous
 from .fused_adamw import FusedAdamW, fused_path_supported
 from .local_step import FusedShardStep
@@ -108,12 +107,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
                  *, sharding: str = "auto", master_weights: bool = False, **defaults: Any):
         self._initialized = False
-        if process_group is None and not dist.is_initialized():
-            self.process_group, self.world_size, self.rank = None, 1, 0  # plain single process
-        else:
-            self.process_group = process_group if process_group is not None else dist.group.WORLD
-            self.world_size = dist.get_world_size(self.process_group)
-            self.rank = dist.get_rank(self.process_group)
+        # a single process without a group, an error when torchrun says there are more
+        self.process_group, self.world_size, self.rank = launcher.process_group_of(process_group)
 
         # Validate locally, then agree across ranks before anything else is collective.
         error, lines, groups = None, [], []
@@ -167,6 +162,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._overlap_with_ddp = bool(overlap_with_ddp)
         super().__init__(groups, defaults)  # fills defaults into the groups
         Joinable.__init__(self)
+        self.register_step_pre_hook(launcher.FirstStepCheck())  # e.g. HF Trainer's callback
         grad_reduce.track(self)  # reduce_scatter_hook(None, bucket) finds it
         # Every param in group order (torch's ZeRO has this attribute; code in the wild reads it).
         self._all_params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]

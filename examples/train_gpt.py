@@ -3,6 +3,9 @@
     torchrun --nproc_per_node 2 examples/train_gpt.py          # 2 ranks, CPU / gloo
     python examples/train_gpt.py                                # 1 process (world of 1)
     torchrun --nproc_per_node 2 examples/train_gpt.py --torch-zero   # torch's ZeRO, to compare
+    torchrun --nproc_per_node 2 examples/train_gpt.py --plain-adamw  # DDP + torch AdamW
+    torchrun --nproc_per_node 2 examples/train_gpt.py --grad-reduce-scatter --clip-norm 1.0
+                                                # grads reduce-scattered to their owners
     torchrun --nproc_per_node 2 examples/train_gpt.py --dtype bf16 --master-weights
                                                 # bf16 params, fp32 masters + state per owner
     torchrun --nnodes 2 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint HOST:PORT \
@@ -32,6 +35,13 @@ each shard once across the replicas), the scheduler and step, and every rank's d
 --resume-from DIR/step-N continues from there, at any layout (other node count, ranks per
 node or sharding mode) as long as the world size is the same (each rank's data stream is
 restored by rank).
+
+--grad-reduce-scatter registers zero_ext.ddp_zero_hook.reduce_scatter_hook on DDP: each grad
+goes only to the rank that owns its elements in the optimizer (DDP's bytes per iteration
+instead of 1.5x); --clip-norm N clips by the global grad norm (zero_ext: opt.clip_grad_norm_,
+the only clip that is right with the hook; --plain-adamw and --torch-zero: torch's
+clip_grad_norm_). --plain-adamw trains with DDP + an unsharded torch.optim.AdamW, the
+reference the other modes match.
 
 Printed: after the first step, per rank, the bytes per param this rank holds (its params, their
 grads and every tensor of its optimizer state, masters included, measured from the tensors and
@@ -159,7 +169,8 @@ def init_distributed(device: torch.device) -> tuple[int, int, str | None]:
 
 def state_size(opt) -> tuple[int, int]:
     """(bytes, elements) of the tensors in this rank's local optimizer state."""
-    ts = [t for st in opt.optim.state.values() for t in st.values() if torch.is_tensor(t)]
+    local = getattr(opt, "optim", opt)  # a ZeRO optimizer's local one, or a plain optimizer
+    ts = [t for st in local.state.values() for t in st.values() if torch.is_tensor(t)]
     return sum(t.numel() * t.element_size() for t in ts), sum(t.numel() for t in ts)
 
 
@@ -167,8 +178,8 @@ def tensor_bytes(params, opt) -> dict:
     """Bytes this rank holds in the params, their grads and its optimizer state (every tensor
     in opt.optim.state, fp32 masters included), measured from the tensors."""
     params = list(params)
-    state = sum(t.nbytes for st in opt.optim.state.values() for t in st.values()
-                if torch.is_tensor(t))
+    state = sum(t.nbytes for st in getattr(opt, "optim", opt).state.values()
+                for t in st.values() if torch.is_tensor(t))
     return {"weights": sum(p.nbytes for p in params),
             "grads": sum(p.grad.nbytes for p in params if p.grad is not None),
             "state": state}
@@ -177,7 +188,8 @@ def tensor_bytes(params, opt) -> dict:
 def local_numel(opt) -> int:
     if hasattr(opt, "local_numel"):
         return int(opt.local_numel)
-    return sum(p.numel() for g in opt.optim.param_groups for p in g["params"])  # torch's ZeRO
+    local = getattr(opt, "optim", opt)  # torch's ZeRO, or a plain optimizer
+    return sum(p.numel() for g in local.param_groups for p in g["params"])
 
 
 def report_bytes_per_param(model: nn.Module, opt, n_params: int, rank: int, world: int,
@@ -247,6 +259,12 @@ def main(argv=None) -> int:
                     help="parameters_as_bucket_view=True (params become views of flat buffers)")
     ap.add_argument("--torch-zero", action="store_true",
                     help="use torch.distributed.optim.ZeroRedundancyOptimizer instead")
+    ap.add_argument("--plain-adamw", action="store_true",
+                    help="DDP + torch.optim.AdamW, unsharded (the reference)")
+    ap.add_argument("--grad-reduce-scatter", action="store_true",
+                    help="zero_ext's reduce_scatter_hook on DDP: grads go to their owners only")
+    ap.add_argument("--clip-norm", type=float, default=0.0,
+                    help="clip grads to this global norm before each step (0: no clipping)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                     help="dtype of the model's params and grads (bf16: model.to(torch.bfloat16))")
     ap.add_argument("--master-weights", action="store_true",
@@ -287,6 +305,11 @@ def main(argv=None) -> int:
     if args.torch_zero and (args.shard_within_node or args.save_every or args.resume_from):
         ap.error("--shard-within-node, --save-every and --resume-from use zero_ext (its "
                  "hybrid groups and zero_ext.checkpoint)")
+    if args.plain_adamw and (args.torch_zero or args.master_weights or args.grad_reduce_scatter
+                             or args.shard_within_node or args.save_every or args.resume_from):
+        ap.error("--plain-adamw is the unsharded reference: no zero_ext or torch ZeRO options")
+    if args.grad_reduce_scatter and args.torch_zero:
+        ap.error("--grad-reduce-scatter is a zero_ext hook")
     if args.save_every and not args.ckpt:
         ap.error("--save-every needs --ckpt")
 
@@ -307,7 +330,10 @@ def main(argv=None) -> int:
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     groups = param_groups(model, args.weight_decay)
-    if args.torch_zero:
+    if args.plain_adamw:
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+        impl = "torch.optim.AdamW (unsharded)"
+    elif args.torch_zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         opt = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
@@ -327,6 +353,15 @@ def main(argv=None) -> int:
         per_node = f", {opt.world_size} ranks per shard group" if args.shard_within_node else ""
         impl = (f"zero_ext.ZeroRedundancyOptimizer(sharding={args.sharding!r}"
                 f"{', master_weights=True' if args.master_weights else ''}{per_node})")
+        if args.grad_reduce_scatter:
+            from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+            ddp.register_comm_hook(opt, reduce_scatter_hook)
+            impl += " + reduce_scatter_hook"
+    clip = None
+    if args.clip_norm > 0:  # zero_ext: the sharded global norm; else torch's, over all grads
+        clip = (opt.clip_grad_norm_ if hasattr(opt, "clip_grad_norm_") else
+                lambda n: torch.nn.utils.clip_grad_norm_(model.parameters(), n))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, 1.0, args.warmup, args.steps))
 
@@ -353,6 +388,8 @@ def main(argv=None) -> int:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         t1 = time.perf_counter()
+        if clip is not None:
+            clip(args.clip_norm)
         opt.step()
         sched.step()
         if device.type == "cuda":

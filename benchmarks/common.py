@@ -116,3 +116,118 @@ def speedup_rows(times: Dict[str, float], ours: str, bytes_moved: Optional[float
 
 
 SPEEDUP_HEADERS = ["variant", "ms (median)", "GB/s", "speedup of ours"]
+
+
+# ----------------------------------------------------------------------------- wire bytes
+# Bytes a rank puts on the wire per collective, in the standard ring model (the algorithm
+# gloo and NCCL use for large payloads), so that modes are compared by what they move, not
+# by what one run happened to measure. Object collectives count their pickled size.
+WIRE_COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+                    "all_to_all_single", "all_gather", "reduce", "send", "isend", "recv", "irecv",
+                    "all_gather_object", "broadcast_object_list", "gather_object", "barrier")
+
+
+def _tensor_bytes(t) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_tensor_bytes(x) for x in t)
+    return 0
+
+
+def ring_wire_bytes(name: str, bound: Dict[str, object]) -> int:
+    """Bytes this rank sends for one call of ``torch.distributed.<name>`` whose arguments
+    are ``bound`` (name -> value, defaults included), in the ring model:
+    all_reduce 2(W-1)/W n; broadcast and reduce (W-1)/W n (a ring broadcast forwards the
+    payload through W-1 ranks: averaged over ranks); all_gather_into_tensor and
+    reduce_scatter_tensor (W-1)/W of the full tensor; all_gather (W-1) n; all_to_all_single
+    exactly the elements this rank sends to the others (from its split sizes); send n;
+    recv 0."""
+    import pickle
+
+    import torch.distributed as dist
+
+    group = bound.get("group")
+    world = dist.get_world_size(group)
+    if world <= 1 or name in ("recv", "irecv", "barrier"):
+        return 0
+    frac = (world - 1) / world
+    if name == "all_reduce":
+        return round(2 * frac * _tensor_bytes(bound["tensor"]))
+    if name in ("broadcast", "reduce"):
+        return round(frac * _tensor_bytes(bound["tensor"]))
+    if name == "all_gather_into_tensor":
+        return round(frac * _tensor_bytes(bound["output_tensor"]))
+    if name == "reduce_scatter_tensor":
+        return round(frac * _tensor_bytes(bound["input"]))
+    if name == "all_gather":
+        return (world - 1) * _tensor_bytes(bound["tensor"])
+    if name == "all_to_all_single":
+        inp = bound["input"]
+        splits = bound.get("input_split_sizes")
+        if not splits:
+            return round(frac * _tensor_bytes(inp))
+        me = dist.get_rank(group)
+        per_row = inp.element_size() * (inp[0].numel() if inp.dim() > 1 else 1)
+        return per_row * sum(n for r, n in enumerate(splits) if r != me)
+    if name in ("send", "isend"):
+        return _tensor_bytes(bound["tensor"])
+    if name == "all_gather_object":
+        return (world - 1) * len(pickle.dumps(bound["obj"]))
+    if name == "broadcast_object_list":
+        return round(frac * len(pickle.dumps(bound["object_list"])))
+    if name == "gather_object":
+        return len(pickle.dumps(bound["obj"]))  # one hop to the destination
+    return 0
+
+
+class WireCounter:
+    """While open, wraps torch.distributed's Python collectives (the module attributes that
+    code calls as ``dist.all_reduce(...)``) and records ``(name, wire bytes)`` per call,
+    with :func:`ring_wire_bytes`. Collectives issued from C++ (DDP's built-in all-reduce)
+    are not seen: register a Python comm hook to count them."""
+
+    def __init__(self):
+        self.calls: List[tuple] = []
+        self._saved: Dict[str, Callable] = {}
+
+    def __enter__(self) -> "WireCounter":
+        import inspect
+
+        import torch.distributed as dist
+
+        for name in WIRE_COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self._saved[name] = fn
+            sig = inspect.signature(fn)
+
+            def wrapper(*args, __name=name, __fn=fn, __sig=sig, **kwargs):
+                bound = __sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                self.calls.append((__name, ring_wire_bytes(__name, bound.arguments)))
+                return __fn(*args, **kwargs)
+
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved = {}
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.calls)
+
+    def by_name(self) -> Dict[str, List[int]]:
+        """name -> [calls, wire bytes]."""
+        out: Dict[str, List[int]] = {}
+        for name, b in self.calls:
+            c = out.setdefault(name, [0, 0])
+            c[0] += 1
+            c[1] += b
+        return out

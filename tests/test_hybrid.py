@@ -239,3 +239,31 @@ def test_independent_groups_save_their_own_checkpoints(hybrid):
     for r in (0, 2):
         full, reloaded = hybrid[r]["stages"]
         assert full == [] and reloaded == [], (r, full, reloaded)
+
+
+def _group_members(rank, world):
+    """Who is really in this rank's shard and replica groups, for three layouts of 4 ranks:
+    each member contributes its global rank (a rank handed a group it is not in fails)."""
+    import torch.distributed as dist
+    from zero_ext import hybrid_groups
+
+    def members(group):
+        got: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(got, rank, group=group)
+        return got, dist.get_process_group_ranks(group)
+
+    return {size: tuple(members(g) for g in hybrid_groups(shard_size=size))
+            for size in (2, 1, 4)}
+
+
+def test_hybrid_groups_members():
+    """Shard group: the S consecutive ranks of this rank's block; replica group: the ranks
+    with this rank's index in every block (the same shard on every "node")."""
+    for rank, layouts in enumerate(run_world(_group_members, 4, timeout=120)):
+        for size, ((shard, shard_ranks), (replica, replica_ranks)) in layouts.items():
+            block = rank // size
+            want_shard = list(range(block * size, (block + 1) * size))
+            want_replica = list(range(rank % size, 4, size))
+            assert shard == shard_ranks == want_shard, (rank, size, shard, shard_ranks)
+            assert replica == replica_ranks == want_replica, (rank, size, replica,
+                                                              replica_ranks)

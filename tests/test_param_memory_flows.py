@@ -5,6 +5,8 @@ every rank (fp32: atol/rtol 1e-6), and for bitwise-identical params across ranks
 
 - `p.data = t` and then `add_param_group` before the next step (the new group must not
   hide the replaced memory);
+- `p.data = t` for one param of a multi-param bucket (bucket views): the bucket's other
+  params keep training;
 - two params swapping memory (`a.data, b.data = b.data, a.data`: the EMA-swap idiom) with
   bucket views, and a tensor the script keeps on a param's old memory staying untouched;
 - freezing params with bucket views frees the old buffers (no model copy kept per freeze);
@@ -106,6 +108,33 @@ def _swap_and_keep_old(rank, world, sharding, bucket_view):
 @pytest.mark.parametrize("sharding,bucket_view", MODES, ids=lambda x: str(x))
 def test_swapped_memory_and_kept_old_memory(sharding, bucket_view):
     _check(run_world(_swap_and_keep_old, 2, sharding, bucket_view, timeout=120))
+
+
+def _replace_one_of_a_bucket(rank, world, sharding):
+    """`p.data = t` for ONE param of a multi-param bucket (bucket views): the bucket gets a
+    new buffer, and every member's local piece must follow it, not only the moved one's."""
+    from zero_ext import ZeroRedundancyOptimizer
+
+    ps, rs = _params(SHAPES), _params(SHAPES)
+    opt = ZeroRedundancyOptimizer(ps, torch.optim.AdamW, sharding=sharding,
+                                  parameters_as_bucket_view=True, lr=0.05)
+    ref = torch.optim.AdamW(rs, lr=0.05)
+    members = max(len(b.param_ids) for b in opt.plan.buckets if 1 in b.param_ids)
+    _step_both(opt, ref, ps, rs, 0)
+    new = torch.randn(SHAPES[1], generator=torch.Generator().manual_seed(11))
+    ps[1].data, rs[1].data = new.clone(), new.clone()
+    for step in range(1, 4):
+        _step_both(opt, ref, ps, rs, step)
+    return (*_result(ps, rs), members)
+
+
+@pytest.mark.parametrize("sharding", ["flat", "param"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_replacing_one_param_of_a_bucket(world, sharding):
+    results = run_world(_replace_one_of_a_bucket, world, sharding, timeout=120)
+    _check([(err, same) for err, same, _ in results])
+    for r, (_, _, members) in enumerate(results):
+        assert members > 1, f"rank {r}: the replaced param is alone in its bucket"
 
 
 def _freeze_storage(rank, world):

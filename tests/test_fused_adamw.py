@@ -383,6 +383,38 @@ def test_reference_matches_torch_adamw_for_loop():
         assert torch.equal(p.detach(), r)  # same ops in the same order: bitwise
 
 
+@pytest.mark.parametrize("impl", ["reference", "native"])
+def test_eps_after_the_bias_correction_float32(impl):
+    """float32, at the float32 tolerance: eps is added to sqrt(v) / sqrt(1 - beta2^t), as in
+    torch's AdamW. Grads of 1e-4 and eps = 1e-4 in the first steps (1 - beta2^t = 1e-3)
+    make eps as large as that root, so eps under the root or before the correction moves
+    every update by tens of percent; the test above, with eps far below the root, cannot
+    see where eps goes."""
+    if impl == "native":
+        _need_native("cpu")
+    fn = K.fused_adamw_ if impl == "native" else K.fused_adamw_reference_
+    groups = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-4, weight_decay=0.1),
+              dict(lr=1e-2, betas=(0.8, 0.999), eps=1e-4, weight_decay=0.0, amsgrad=True)]
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.nn.Parameter(1e-2 * torch.randn(64, generator=g)) for _ in groups]
+    ours = [p.detach().clone() for p in ps]
+    opt = torch.optim.AdamW([dict(params=[p], **hp) for p, hp in zip(ps, groups)],
+                            foreach=False)
+    m = [torch.zeros_like(p) for p in ours]
+    v = [torch.zeros_like(p) for p in ours]
+    x = [torch.empty(0), torch.zeros_like(ours[1])]
+    table = K.group_hparams_table(groups)
+    for step in range(1, 6):
+        grads = [1e-4 * torch.randn(64, generator=g) for _ in ps]
+        for p, gr in zip(ps, grads):
+            p.grad = gr.clone()
+        opt.step()
+        fn(ours, grads, m, v, x, torch.full((2,), float(step)), torch.tensor([0, 1]), table)
+        for i, (p, o) in enumerate(zip(ps, ours)):
+            torch.testing.assert_close(o, p.detach(), **FP32_TOL,
+                                       msg=lambda e: f"step {step} group {i}: {e}")
+
+
 # --------------------------------------------------------------------------- FusedAdamW
 
 def _model_params(device, dtype=torch.float32, seed=0):

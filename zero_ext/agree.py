@@ -107,29 +107,38 @@ def rendezvous(group, world_size: int, rank: int, what: str, hint: str) -> None:
     name = dist.distributed_c10d._get_process_group_name(group)
     n = _rendezvous_calls[(name, what)] = _rendezvous_calls.get((name, what), 0) + 1
     tag = hashlib.sha256(name.encode()).hexdigest()[:16]
-    keys = [f"zero_ext/rendezvous/{what}/{tag}/{n}/{r}" for r in range(world_size)]
+    base = f"zero_ext/rendezvous/{what}/{tag}/{n}"
+    keys = [f"{base}/{r}" for r in range(world_size)]  # who is here, for the warning
+    count, done = f"{base}/count", f"{base}/done"
     store.set(keys[rank], "1")
+    # One counter decides: the rank whose arrival makes it world_size completes the
+    # rendezvous, and a rank that gives up takes its arrival back with the same atomic add,
+    # so a late rank and a timed-out one cannot both think they won the race.
+    if store.add(count, 1) == world_size:
+        store.set(done, "1")
+        return
     start = time.monotonic()
     while True:
         waited = time.monotonic() - start
         step = max(0.1, min(RENDEZVOUS_WARN_S, RENDEZVOUS_TIMEOUT_S - waited))
         try:
-            store.wait(keys, datetime.timedelta(seconds=step))
+            store.wait([done], datetime.timedelta(seconds=step))
             return
         except RuntimeError:  # the store's timeout
             pass
         waited = time.monotonic() - start
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        if not missing:
-            return
         msg = (f"{what}: rank {rank} has waited {waited:.0f} s for ranks {missing} of its "
                f"process group to call it too; {hint}")
         if waited >= RENDEZVOUS_TIMEOUT_S:
-            # withdraw, so that the next call of every rank pairs with the right one
+            if store.add(count, -1) == world_size - 1:
+                return  # every rank had arrived before this one gave up: complete
+            # withdrawn: the next call of every rank pairs with the right one (a rank that
+            # arrives later waits for this rank's next call, as for a first call)
             _rendezvous_calls[(name, what)] -= 1
             try:
                 store.delete_key(keys[rank])
-            except Exception:  # noqa: BLE001 - a store without delete: nothing to withdraw
+            except Exception:  # noqa: BLE001 - a store without delete: only the warning reads it
                 pass
             raise RuntimeError(msg + " (ZERO_EXT_RENDEZVOUS_TIMEOUT_S)")
         logger.warning("zero_ext: %s", msg)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from .. import state
 from ..agree import agree, rendezvous
+from ..groups import hyperparameters
 from ..hybrid import Job, job_of
 from ..state import zero_gaps
 from ..sync import gather_objects
@@ -80,6 +81,25 @@ def _fingerprint(opt) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _holdings(opt) -> str:
+    """What the optimizer holds, beyond its structure: the group hyperparameters and three
+    elements (first, middle, last) of every param, compared bitwise. Replicas of one
+    optimizer hold the same (DDP keeps their params equal); two optimizers over different
+    params of equal shapes (pipeline stages, ensemble members) do not. Sampled, not summed:
+    a sum's rounding depends on the thread count, which may differ between nodes."""
+    picks = []
+    for p in opt.plan.params:
+        n = p.numel()
+        if n and p.device.type != "meta":
+            flat = p.detach().reshape(-1)
+            picks.append(flat[[0, n // 2, n - 1]].reshape(-1).view(torch.uint8).cpu())
+    h = hashlib.sha256(repr([sorted((k, repr(v)) for k, v in hyperparameters(g).items())
+                             for g in opt.param_groups]).encode())
+    if picks:
+        h.update(torch.cat(picks).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _join_job(opt, job: Job, path: str, what: str) -> tuple[Job, BaseException | None]:
     """The ranks of `job` meet (a store rendezvous first: a rank that never calls gives a
     warning naming it instead of a silent hang) and compare (path, optimizer, shard group):
@@ -101,8 +121,11 @@ def _join_job(opt, job: Job, path: str, what: str) -> tuple[Job, BaseException |
                "default process group; pass process_group=opt.process_group to save or load "
                "one group alone")
     shard = tuple(dist.get_process_group_ranks(opt.process_group))  # (a job of 2+: not None)
+    # a save compares what the optimizers hold too: one checkpoint of two optimizers with
+    # equal shapes would keep one's state only (a load reads, whatever the values)
+    fingerprint = _fingerprint(opt) + (_holdings(opt) if what.endswith("save") else "")
     everyone: list = [None] * job.world
-    dist.all_gather_object(everyone, (path, _fingerprint(opt), shard), group=job.group)
+    dist.all_gather_object(everyone, (path, fingerprint, shard), group=job.group)
     members = dist.get_process_group_ranks(job.group)
     outside = sorted({r for e in everyone for r in e[2]} - set(members))
     if outside:
@@ -115,9 +138,10 @@ def _join_job(opt, job: Job, path: str, what: str) -> tuple[Job, BaseException |
     if len(by_path) == 1:
         if len({e[1] for e in everyone}) > 1:
             return job, ValueError(
-                f"{what}: the ranks of the job hold different optimizers (params, groups, "
-                "optimizer class, sharding or shard count differ): they cannot write one "
-                "checkpoint; pass process_group=")
+                f"{what}: the ranks of the job hold different optimizers (params, their "
+                "values, groups, hyperparameters, optimizer class, sharding or shard count "
+                "differ): they cannot share one checkpoint; give each optimizer a path of "
+                "its own, or pass process_group=")
         return job, None
     separate = all(sorted(g for g, _, _ in ranks) == sorted(ranks[0][2])
                    and len({fp for _, fp, _ in ranks}) == 1 for ranks in by_path.values())

@@ -14,6 +14,7 @@ The sync exchanges each rank's range; the optimizer steps its own.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import heapq
 from dataclasses import dataclass, field
 
@@ -316,11 +317,27 @@ class ShardPlan:
             return p
         return p.view(-1)[start:start + length]
 
+    def local_order(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """(group, param_id, start, length) of every piece rank `rank`'s local optimizer
+        steps, in that optimizer's order: group by group, global param order within a group
+        (params over one memory are stepped in torch's order). The one definition of that
+        order, for this rank (local_pieces) and for any other (state dicts cut for it)."""
+        return sorted((self.group_of[pid], pid, start, length)
+                      for pid, start, length, _, _ in self.pieces_of(rank))
+
     def local_pieces(self, gi: int) -> list[LocalPiece]:
-        """This rank's pieces of global group gi, in the local optimizer's order (global
-        param order: params over one memory are stepped in torch's order)."""
-        return sorted((lp for lp in self.local if lp.group == gi),
-                      key=lambda lp: (lp.param_id, lp.start))
+        """This rank's pieces of global group gi, in the local optimizer's order."""
+        at = {(lp.param_id, lp.start): lp for lp in self.local}
+        return [at[(pid, start)] for g, pid, start, _ in self.local_order(self.rank) if g == gi]
+
+    def digest(self) -> int:
+        """60 bits of a hash of what decides every rank's pieces (modes, owners, buckets):
+        equal on two optimizers whose shards line up piece for piece."""
+        text = repr((self.sharding, self.world_size, self.owner, self.group_of,
+                     [(str(b.dtype), b.param_ids, b.offsets, b.numels, b.rank_ranges)
+                      for b in self.buckets],
+                     [tuple(p.shape) for p in self.params]))
+        return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
     def local_keys(self, gi: int) -> list[torch.Tensor]:
         return [lp.key for lp in self.local_pieces(gi)]

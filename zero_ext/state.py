@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from . import layout
 from .agree import agree
 from .engine import MASTER, keep_loaded_state
+from .hybrid import Job, job_of, replica_group_of
 from .fused_adamw import FusedAdamW
 from .groups import copy_hyperparameters, hyperparameters
 from .sync import backend_device, gather_objects, recv_segments, send_segments
@@ -216,6 +218,28 @@ def consolidate(opt: "ZeroRedundancyOptimizer", to: int) -> dict | None:
     return full.result()
 
 
+def created_at_init(opt: "ZeroRedundancyOptimizer") -> bool:
+    """Whether optimizer_class made per-param state when it was built (torch's Adagrad, a
+    custom warm start), before any step or load: state_dict() must then gather it instead
+    of answering "empty" at once. The same answer on every rank without communication,
+    also on a rank that holds no piece: a probe instance over meta copies of every param
+    (no memory, no data); if the class cannot be built so, this rank's own state decides."""
+    if any(opt.optim.state.values()):
+        return True
+    cls = opt.optimizer_class
+    groups = [{**hyperparameters(g), "params": [torch.empty_like(p, device="meta")
+                                                for p in g["params"]]}
+              for g in opt.param_groups]
+    try:
+        accepted = inspect.signature(cls).parameters
+        first = groups[0] if groups else {}
+        probe = cls(groups, **{k: v for k, v in first.items()
+                               if k in accepted and k != "params"})
+        return any(probe.state.values())
+    except Exception:  # noqa: BLE001 - a class that needs real data to be built
+        return False
+
+
 def torch_format(opt: "ZeroRedundancyOptimizer", full_state: dict) -> dict:
     return {"state": full_state, "param_groups": torch_groups(opt)}
 
@@ -273,10 +297,7 @@ def install(opt: "ZeroRedundancyOptimizer", saved_groups: list[dict],
     _keep_master_state(opt, local_states)
     if class_policy:  # e.g. AdamW sets decoupled_weight_decay=True on load
         copy_hyperparameters(opt.optim.param_groups, opt.param_groups)
-    stepper = getattr(opt, "_stepper", None)
-    if stepper is not None and hasattr(stepper, "reset"):
-        stepper.reset()
-    opt._state_changed()
+    opt.state_loaded()
 
 
 def _keep_master_state(opt: "ZeroRedundancyOptimizer", local_states: dict[int, dict]) -> None:
@@ -349,6 +370,17 @@ def state_problems(opt: "ZeroRedundancyOptimizer", pid: int, names, numels: dict
     return out
 
 
+def _shape_problems(opt: "ZeroRedundancyOptimizer", pid: int, st: dict) -> list[str]:
+    """Per-element state of another shape than the param (a (4, 6) weight saved, a (6, 4)
+    one now): the same numel would slice and step, silently on transposed values. Compared
+    with the user's param, never with a flat-mode key (1-D)."""
+    p = opt.plan.params[pid]
+    return [f"param {pid} (group {opt.plan.group_of[pid]}): state {k!r} has shape "
+            f"{tuple(v.shape)}, the param has shape {tuple(p.shape)}"
+            for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+            and v.numel() == p.numel() and v.shape != p.shape]
+
+
 def _check_and_map(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> dict[int, dict]:
     """Validate a torch-format dict against the optimizer; map its ids to global indices."""
     if not isinstance(state_dict, dict) or "state" not in state_dict \
@@ -377,6 +409,7 @@ def _check_and_map(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> dict[int
         numels = {k: v.numel() for k, v in st.items()
                   if isinstance(v, torch.Tensor) and v.dim() > 0}
         problems += state_problems(opt, id_map[sid], st.keys(), numels)
+        problems += _shape_problems(opt, id_map[sid], st)
         mapped[id_map[sid]] = st
     if problems:
         raise ValueError("load_state_dict: the state dict does not fit the optimizer: "
@@ -388,37 +421,45 @@ def _check_and_map(opt: "ZeroRedundancyOptimizer", state_dict: dict) -> dict[int
 def load(opt: "ZeroRedundancyOptimizer", state_dict: dict | None) -> None:
     """Load a torch-format optimizer state dict (the caller's dict is never aliased).
 
-    Collective: every rank validates the whole dict (every param's state keys and sizes,
+    Collective: every rank validates the whole dict (every param's state keys and shapes,
     not only its own share) and the ranks agree before anything is installed, so a bad
     dict raises the same error on every rank and leaves the optimizer unchanged. Ranks
     given None or the placeholder of `state_dict()` receive their share from the lowest
     rank that holds a real dict (every rank's share comes from that one dict then). The
     ranks holding a dict must hold the same one (a digest of its structure, scalars and
     the ends of every tensor is compared): a fresh optimizer's state_dict() passed on some
-    ranks next to a checkpoint's on others is an error on every rank, not a half-load."""
+    ranks next to a checkpoint's on others is an error on every rank, not a half-load.
+    Under hybrid_groups() the ranks are the whole job (`_load_job`)."""
     holder = state_dict is not None and not is_placeholder(state_dict)
+    job = _load_job(opt)
     error, saved, local_state_, digest = None, None, {}, 0
     try:
         if holder:
             saved = _check_and_map(opt, state_dict)
             digest = _digest(state_dict)
-            local_state_ = _local_states(opt.plan, opt.plan.pieces_of(opt.rank), saved,
-                                         len(opt.param_groups))
+            local_state_ = _local_states(opt.plan, opt.rank, saved)
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = exc
-    world = opt.world_size
+    # replicas whose pieces differ cannot serve each other's shares
+    shards = opt.plan.digest() if job.world > opt.world_size else 0
     # max over ranks: any holder, any non-holder, the lowest holder, the holders' digests
-    # (max of d and of -d; a non-holder stays below every holder in both)
-    holders, others, first, top, bottom = agree(
-        opt.process_group, world, error, "load_state_dict",
-        (int(holder), int(not holder), world - opt.rank if holder else 0,
-         digest if holder else -1, -digest if holder else -(1 << 62)))
+    # (max of d and of -d; a non-holder stays below every holder in both), the plans'
+    holders, others, first, top, bottom, s_top, s_bottom = agree(
+        job.group, job.world, error, "load_state_dict",
+        (int(holder), int(not holder), job.world - job.rank if holder else 0,
+         digest if holder else -1, -digest if holder else -(1 << 62), shards, -shards),
+        peer_value_error=True)  # a dict that does not fit is a ValueError everywhere
     if holders and top != -bottom:
         raise ValueError(
             "load_state_dict: the ranks were given different state dicts (another save, "
             "or a fresh optimizer's state_dict() on some ranks): give every rank the same "
             "dict, or give it to some ranks and None to the others (they receive their "
             "share)")
+    if s_top != -s_bottom:
+        raise ValueError(
+            "load_state_dict: the shard groups of hybrid_groups() hold optimizers cut "
+            "differently (other params, groups, sharding or frozen params): they are not "
+            "replicas of one optimizer")
     saved_groups = state_dict["param_groups"] if holder else None
     if others:
         if not holders:
@@ -427,9 +468,69 @@ def load(opt: "ZeroRedundancyOptimizer", state_dict: dict | None) -> None:
                 "the placeholder that state_dict() returns on ranks that did not receive "
                 "the consolidated state); load the dict saved from the consolidating rank "
                 "(rank 0) on at least one rank")
-        local_state_, saved_groups = _scatter(opt, world - first, saved, saved_groups,
-                                              local_state_)
+        local_state_, saved_groups = _scatter(opt, job, job.world - first, saved,
+                                              saved_groups, local_state_)
     install(opt, saved_groups, local_state_, class_policy=True)
+
+
+def _load_job(opt: "ZeroRedundancyOptimizer") -> Job:
+    """The ranks of a load_state_dict: the optimizer's process group, or the whole job when
+    that group is a shard group of hybrid_groups() (its replicas load together, so the
+    README's `torch.load(f) if rank == 0 else None` serves every replica, and a bad dict
+    stops every replica before any returns). Other subgroups stay on their own: they may be
+    independent optimizers (pipeline stages) that load at their own time."""
+    if opt.process_group is None:
+        return Job(None, 0, 1)
+    try:
+        replica_group_of(opt.process_group)
+    except ValueError:  # not made by hybrid_groups()
+        return Job(opt.process_group, opt.rank, opt.world_size)
+    return job_of(opt)
+
+
+def _scatter(opt: "ZeroRedundancyOptimizer", job: Job, src: int, saved: dict | None,
+             saved_groups: list | None, mine: dict) -> tuple[dict, list]:
+    """Job rank `src` (which holds the real dict) sends every other rank of the job its
+    local state: first its description (names, dtypes, shapes, scalars, the saved groups)
+    as an object, then the tensors as bounded point-to-point messages
+    (sync.send_segments). Returns this rank's (local state, saved param groups)."""
+    group, plan = job.group, opt.plan
+    dev = backend_device(group)
+    if job.rank == src:
+        for j in range(job.world):
+            if j == src:
+                continue
+            # hybrid_groups() cuts the job into blocks of opt.world_size ranks: job rank j
+            # is rank j % world of its shard group (the job is the group itself otherwise)
+            states = _local_states(plan, j % opt.world_size, saved)
+            tensors, descs, scalars = [], [], {}
+            for idx, st in states.items():
+                for name, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        t = v.detach().reshape(-1)
+                        tensors.append(t if t.device == dev else t.to(dev))
+                        descs.append((idx, name, 0, t.numel(), str(t.dtype), tuple(v.shape)))
+                    else:
+                        scalars.setdefault(idx, {})[name] = _portable(v)
+            order = {idx: list(st) for idx, st in states.items()}
+            desc = [{"segs": descs, "scalars": scalars, "order": order,
+                     "groups": saved_groups}]
+            dist.send_object_list(desc, dst=dist.get_global_rank(group, j), group=group)
+            send_segments(group, tensors, descs, j, CONSOLIDATE_CHUNK)
+        return mine, saved_groups
+    box = [None]
+    dist.recv_object_list(box, src=dist.get_global_rank(group, src), group=group)
+    desc = box[0]
+    dests = [torch.empty(d[3], dtype=_dtype(d[4]), device=dev) for d in desc["segs"]]
+    recv_segments(group, desc["segs"], dests, src, CONSOLIDATE_CHUNK)
+    values: dict[int, dict] = {}
+    for d, t in zip(desc["segs"], dests):
+        values.setdefault(d[0], {})[d[1]] = t.view(d[5])
+    for idx, sc in desc["scalars"].items():
+        values.setdefault(idx, {}).update(sc)
+    local = {idx: {k: values[idx][k] for k in names if k in values[idx]}
+             for idx, names in desc["order"].items()}
+    return local, desc["groups"]
 
 
 def _digest(state_dict: dict) -> int:
@@ -451,61 +552,14 @@ def _digest(state_dict: dict) -> int:
     return int(hashlib.sha256(repr((groups, st)).encode()).hexdigest()[:15], 16)
 
 
-def _local_states(plan: layout.ShardPlan, pieces, saved: dict, n_groups: int) -> dict:
-    """{local index: state} of the pieces `pieces` (plan.pieces_of(r)) of some rank r, in
-    the order of r's local optimizer (group by group, param order within each)."""
-    out, idx = {}, 0
-    for gi in range(n_groups):
-        for pid, start, length in sorted((pc[0], pc[1], pc[2]) for pc in pieces
-                                         if plan.group_of[pc[0]] == gi):
-            st = _slice_state(plan, pid, start, length, saved)
-            if st:
-                out[idx] = st
-            idx += 1
+def _local_states(plan: layout.ShardPlan, rank: int, saved: dict) -> dict:
+    """{local index: state} of group rank `rank`'s pieces, in its local optimizer's order."""
+    out = {}
+    for idx, (_, pid, start, length) in enumerate(plan.local_order(rank)):
+        st = _slice_state(plan, pid, start, length, saved)
+        if st:
+            out[idx] = st
     return out
-
-
-def _scatter(opt: "ZeroRedundancyOptimizer", src: int, saved: dict | None,
-             saved_groups: list | None, mine: dict) -> tuple[dict, list]:
-    """Rank `src` (which holds the real dict) sends every other rank its local state:
-    first its description (names, dtypes, shapes, scalars, the saved groups) as an object,
-    then the tensors as bounded point-to-point messages (sync.send_segments). Returns this
-    rank's (local state, saved param groups)."""
-    group, plan = opt.process_group, opt.plan
-    dev = backend_device(group)
-    if opt.rank == src:
-        for r in range(opt.world_size):
-            if r == src:
-                continue
-            states = _local_states(plan, plan.pieces_of(r), saved, len(opt.param_groups))
-            tensors, descs, scalars = [], [], {}
-            for idx, st in states.items():
-                for name, v in st.items():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        t = v.detach().reshape(-1)
-                        tensors.append(t if t.device == dev else t.to(dev))
-                        descs.append((idx, name, 0, t.numel(), str(t.dtype), tuple(v.shape)))
-                    else:
-                        scalars.setdefault(idx, {})[name] = _portable(v)
-            order = {idx: list(st) for idx, st in states.items()}
-            desc = [{"segs": descs, "scalars": scalars, "order": order,
-                     "groups": saved_groups}]
-            dist.send_object_list(desc, dst=dist.get_global_rank(group, r), group=group)
-            send_segments(group, tensors, descs, r, CONSOLIDATE_CHUNK)
-        return mine, saved_groups
-    box = [None]
-    dist.recv_object_list(box, src=dist.get_global_rank(group, src), group=group)
-    desc = box[0]
-    dests = [torch.empty(d[3], dtype=_dtype(d[4]), device=dev) for d in desc["segs"]]
-    recv_segments(group, desc["segs"], dests, src, CONSOLIDATE_CHUNK)
-    values: dict[int, dict] = {}
-    for d, t in zip(desc["segs"], dests):
-        values.setdefault(d[0], {})[d[1]] = t.view(d[5])
-    for idx, sc in desc["scalars"].items():
-        values.setdefault(idx, {}).update(sc)
-    local = {idx: {k: values[idx][k] for k in names if k in values[idx]}
-             for idx, names in desc["order"].items()}
-    return local, desc["groups"]
 
 
 def _slice_state(plan: layout.ShardPlan, pid: int, start: int, length: int,

@@ -612,6 +612,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._state_epoch += 1
         self._had_state = True
 
+    def state_loaded(self) -> None:
+        """(zero_ext.state's seam) New state installed: the fused step's views are stale."""
+        self._state_changed()
+        self._stepper = None  # rebuilt at the next fused step, over the new state
+
     def state_dict(self) -> dict:
         """The full state in plain torch format, on the rank it was consolidated on.
 
@@ -620,22 +625,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
           Lightning and scripts written for torch's ZeRO do), the other ranks a placeholder
           (a small dict without a "state" key that tells where the state is; torch raises
           there).
-        - Before any step or load there is no state anywhere: every rank gets the same
-          plain dict with empty state (accelerate's prepare() asks for it on every rank).
-        - Otherwise state_dict() is collective, as accelerate's save_state() calls it on
-          every rank: the state is consolidated on rank 0 for this call only (not kept),
-          which returns it; the other ranks return the placeholder. A rank that calls it
-          alone waits for the others, with a warning naming them every minute (HF Trainer
-          saves from the main process only: see zero_ext.integrations.transformers).
-
-        load_state_dict() accepts the placeholder on the ranks that do not hold the dict.
+        - Before any step or load, unless optimizer_class made state when it was built,
+          every rank gets the same plain dict with empty state (accelerate's prepare()).
+        - Otherwise state_dict() is collective (accelerate's save_state()): rank 0 gets the
+          state consolidated for this call only, the others the placeholder (which
+          load_state_dict() accepts). A rank that calls it alone waits for the others,
+          warning every minute (HF Trainer: see zero_ext.integrations.transformers).
         """
         fresh = self._consolidation is not None and self._consolidation[0] == self._state_epoch
         if fresh and self._consolidated is not None:
             return state.torch_format(self, self._consolidated)
         if fresh:
             return state.placeholder(self, self._consolidation[1])
-        if not self._had_state:
+        if not self._had_state and not state.created_at_init(self):
             return state.torch_format(self, {})
         self._consolidated = self._consolidation = None  # out of date: free it
         rendezvous(
@@ -649,9 +651,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return state.torch_format(self, full) if self.rank == 0 else state.placeholder(self, 0)
 
     def load_state_dict(self, state_dict: dict | None) -> None:
-        """Load a torch-format optimizer state dict (from us, torch's ZeRO, or a plain
-        torch optimizer); the caller's dict is not modified. Collective. Ranks given None
-        (or the placeholder state_dict() returned away from rank 0) receive their share
-        from a rank that holds the dict: ``opt.load_state_dict(torch.load(f) if rank == 0
-        else None)`` reads the file on rank 0 only."""
+        """Load a torch-format state dict (ours, torch's ZeRO's or a plain optimizer's),
+        without modifying it. Collective. Ranks given None (or the placeholder) receive
+        their share: ``opt.load_state_dict(torch.load(f) if rank == 0 else None)``."""
         state.load(self, state_dict)

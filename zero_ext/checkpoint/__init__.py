@@ -87,16 +87,16 @@ def _holdings(opt) -> str:
     optimizer hold the same (DDP keeps their params equal); two optimizers over different
     params of equal shapes (pipeline stages, ensemble members) do not. Sampled, not summed:
     a sum's rounding depends on the thread count, which may differ between nodes."""
-    picks = []
+    picks: dict = {}  # device -> the sampled bytes there (one copy to the host each)
     for p in opt.plan.params:
         n = p.numel()
         if n and p.device.type != "meta":
             flat = p.detach().reshape(-1)
-            picks.append(flat[[0, n // 2, n - 1]].reshape(-1).view(torch.uint8).cpu())
+            picks.setdefault(p.device, []).append(flat[[0, n // 2, n - 1]].view(torch.uint8))
     h = hashlib.sha256(repr([sorted((k, repr(v)) for k, v in hyperparameters(g).items())
                              for g in opt.param_groups]).encode())
-    if picks:
-        h.update(torch.cat(picks).numpy().tobytes())
+    for dev in sorted(picks, key=str):
+        h.update(torch.cat(picks[dev]).cpu().numpy().tobytes())
     return h.hexdigest()
 
 

@@ -222,6 +222,20 @@ def _misuse(rank, world, how):
     cfg = dict(sharding="param", grad_view=how == "torch-clip-bucket-view")
     _, (zero, opt) = _pair(rank, cfg)
     _iteration(rank, 0, zero, opt, {}, False)  # one good step
+    if how == "closure-torch-clip":  # backward inside step(closure), as Lightning does
+        def closure():
+            opt.zero_grad()
+            loss = zero(_batch(rank, 1)).square().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(zero.parameters(), 1e-3)
+            return loss
+        before = [p.detach().clone() for p in zero.parameters()]
+        try:
+            opt.step(closure)
+        except RuntimeError as exc:
+            assert all(torch.equal(a, b) for a, b in zip(before, zero.parameters()))
+            return str(exc)
+        return None
     zero(_batch(rank, 1)).square().mean().backward()
     if how.startswith("torch-clip"):
         torch.nn.utils.clip_grad_norm_(zero.parameters(), 1e-3)
@@ -249,7 +263,8 @@ def _misuse(rank, world, how):
 
 
 @pytest.mark.parametrize("how", ["torch-clip", "torch-clip-bucket-view", "scale-one-grad",
-                                 "replace-grad", "scaler-then-torch-clip"])
+                                 "replace-grad", "scaler-then-torch-clip",
+                                 "closure-torch-clip"])
 def test_grads_changed_after_the_hook_raise_on_every_rank(how):
     msgs = run_world(_misuse, 2, how)
     for m in msgs:

@@ -181,3 +181,31 @@ def test_lightning_ddp_checkpoint_and_resume(tmp):
             os.path.join(tmp, "ck_b"), "--resume-from", os.path.join(ck_a, "step=4.ckpt"),
             "--bucket-view")
     _assert_resumed_exactly(os.path.join(tmp, "a"), os.path.join(tmp, "b"))
+
+
+def test_lightning_reduce_scatter_hook(tmp):
+    """reduce_scatter_hook on Lightning's DDP model (registered in on_fit_start: Lightning
+    registers DDPStrategy(ddp_comm_hook=...) on CUDA only) with the optimizer's own clip: the
+    same params as Lightning's default DDP run (to fp32 rounding: the clip's norm is summed
+    in another order), and a bitwise resume; Lightning's default clip (torch's) with the
+    hook is an error naming opt.clip_grad_norm_ on every rank."""
+    pytest.importorskip("pytorch_lightning")
+    ck_a = os.path.join(tmp, "ck_a")
+    _run_ok("train_lightning.py", "--out", os.path.join(tmp, "a"), "--ckpt-dir", ck_a,
+            "--reduce-scatter")
+    _run_ok("train_lightning.py", "--out", os.path.join(tmp, "b"), "--ckpt-dir",
+            os.path.join(tmp, "ck_b"), "--resume-from", os.path.join(ck_a, "step=4.ckpt"),
+            "--reduce-scatter")
+    _assert_resumed_exactly(os.path.join(tmp, "a"), os.path.join(tmp, "b"))
+    assert _load(os.path.join(tmp, "a"), 0)["hook_ran"] and _load(os.path.join(tmp, "b"),
+                                                                   1)["hook_ran"]
+    _run_ok("train_lightning.py", "--out", os.path.join(tmp, "plain"), "--ckpt-dir",
+            os.path.join(tmp, "ck_plain"))
+    assert not _load(os.path.join(tmp, "plain"), 0)["hook_ran"]
+    for x, y in zip(_load(os.path.join(tmp, "a"), 0)["params"],
+                    _load(os.path.join(tmp, "plain"), 0)["params"]):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    res = _torchrun("train_lightning.py", "--out", os.path.join(tmp, "c"), "--ckpt-dir",
+                    os.path.join(tmp, "ck_c"), "--reduce-scatter", "--torch-clip")
+    assert res.returncode != 0
+    assert res.stderr.count("opt.clip_grad_norm_") >= 2, res.stderr[-4000:]  # both ranks

@@ -374,3 +374,22 @@ def check_grads(opt, scaler: bool, error: BaseException | None
             "grads: use opt.clip_grad_norm_(max_norm), which returns the true global norm "
             "and clips inside the step (GradScaler works as usual)")
     return True, error
+
+
+def checked_closure(opt, closure):
+    """`closure` (a step's closure, which frameworks use to run forward and backward inside
+    ``step()``: Lightning) followed by the check of `check_grads`, or None. Collective
+    when the hook ran in it: every rank ran the same closure."""
+    if closure is None:
+        return None
+
+    def run():
+        loss = closure()
+        reduced, error = check_grads(opt, False, None)
+        if reduced:
+            from .agree import agree
+
+            agree(opt.process_group, opt.world_size, error, "ZeroRedundancyOptimizer.step")
+        return loss
+
+    return run

@@ -352,6 +352,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._overlap_with_ddp:  # the DDP comm hook has stepped (torch returns None)
             return overlap.user_step(self)
         Join.notify_join_context(self)
+        closure = grad_reduce.checked_closure(self, closure)  # its backward may run the hook
         # Set around step() by torch.amp.GradScaler (_step_supports_amp_scaling): grads not
         # unscaled yet are divided by grad_scale; found_inf nonzero means skip the step.
         grad_scale = getattr(self, "grad_scale", None)

@@ -4,7 +4,14 @@ gradient_clip_val, ModelCheckpoint every --save-at steps (in the middle of an ep
 batches come from a resumable iterable) and, with --resume,
 fit(ckpt_path=<run A's checkpoint at save_at>). Nothing zero_ext-specific: Lightning's DDP
 strategy consolidates the optimizer state itself. Writes every rank's final params and the
-final checkpoint's optimizer state (rank 0) to --out."""
+final checkpoint's optimizer state (rank 0) to --out.
+
+--reduce-scatter: zero_ext's reduce_scatter_hook on Lightning's DDP model, with state None
+(it finds the optimizer by the params). Lightning 2.6 registers DDPStrategy(ddp_comm_hook=...)
+only on CUDA devices and ignores it on CPU, so on CPU the module registers it itself in
+on_fit_start (after the DDP wrap, before the first backward). configure_gradient_clipping
+calls the optimizer's own clip_grad_norm_ (Lightning's default clip is torch's, which the
+hook's grads do not allow; --torch-clip keeps it, to see the error)."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +60,8 @@ def main() -> None:
     ap.add_argument("--resume-from", default=None)
     ap.add_argument("--sharding", default="flat")
     ap.add_argument("--bucket-view", action="store_true")
+    ap.add_argument("--reduce-scatter", action="store_true")
+    ap.add_argument("--torch-clip", action="store_true")
     args = ap.parse_args()
 
     import pytorch_lightning as pl
@@ -77,6 +86,20 @@ def main() -> None:
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+        def on_fit_start(self):
+            if args.reduce_scatter:  # on CPU Lightning does not register DDPStrategy's hook
+                from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+                self.trainer.strategy.model.register_comm_hook(None, reduce_scatter_hook)
+
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                        gradient_clip_algorithm=None):
+            if args.reduce_scatter and not args.torch_clip:
+                optimizer.clip_grad_norm_(gradient_clip_val)
+            else:
+                super().configure_gradient_clipping(optimizer, gradient_clip_val,
+                                                    gradient_clip_algorithm)
+
     pl.seed_everything(0)
     module = Module()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -93,7 +116,8 @@ def main() -> None:
           else None)
     write_result(args.out, rank, module.net.parameters(), sd,
                  {"losses": module.losses,
-                  "sharding": trainer.optimizers[0].sharding})
+                  "sharding": trainer.optimizers[0].sharding,
+                  "hook_ran": "_grad_reducer" in vars(trainer.optimizers[0])})
 
 
 if __name__ == "__main__":

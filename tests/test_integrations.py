@@ -75,10 +75,12 @@ def tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_accelerate_prepare_save_state_load_state(tmp):
+@pytest.mark.parametrize("hook", [False, True], ids=["ddp-allreduce", "reduce-scatter-hook"])
+def test_accelerate_prepare_save_state_load_state(tmp, hook):
+    """(reduce-scatter-hook: zero_ext's hook on the prepared model, the optimizer's clip)"""
     pytest.importorskip("accelerate")
     ckpt = os.path.join(tmp, "state")
-    common = ["--ckpt", ckpt, "--sharding", "flat"]
+    common = ["--ckpt", ckpt, "--sharding", "flat"] + (["--reduce-scatter"] if hook else [])
     _run_ok("train_accelerate.py", "--out", os.path.join(tmp, "a"), *common)
     assert os.path.isfile(os.path.join(ckpt, "optimizer.bin"))
     saved = torch.load(os.path.join(ckpt, "optimizer.bin"), weights_only=True)
@@ -86,6 +88,7 @@ def test_accelerate_prepare_save_state_load_state(tmp):
     _run_ok("train_accelerate.py", "--out", os.path.join(tmp, "b"), *common, "--resume")
     _assert_resumed_exactly(os.path.join(tmp, "a"), os.path.join(tmp, "b"))
     assert _load(os.path.join(tmp, "a"), 0)["sharding"] == "flat"
+    assert _load(os.path.join(tmp, "a"), 1)["hook_ran"] == hook
 
 
 def test_hf_trainer_checkpoint_and_resume(tmp):

@@ -2,7 +2,11 @@
 dataloader, scheduler) with default arguments (device_placement=True: the optimizer's state
 dict round trip on every rank), accelerator.clip_grad_norm_, save_state() at --save-at and,
 with --resume, load_state() and skip_first_batches. Writes the final params of every rank
-and the consolidated optimizer state (rank 0) to --out."""
+and the consolidated optimizer state (rank 0) to --out.
+
+--reduce-scatter: zero_ext's reduce_scatter_hook registered on the prepared (DDP) model, and
+the optimizer's own clip_grad_norm_ in place of accelerator.clip_grad_norm_ (which is torch's
+clip over all grads: an error with the hook)."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +24,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--sharding", default="flat")
     ap.add_argument("--bucket-view", action="store_true")
+    ap.add_argument("--reduce-scatter", action="store_true")
     args = ap.parse_args()
 
     from accelerate import Accelerator
@@ -38,6 +43,10 @@ def main() -> None:
                                   parameters_as_bucket_view=args.bucket_view)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
     model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
+    if args.reduce_scatter:
+        from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+        model.register_comm_hook(unwrap(opt), reduce_scatter_hook)
     step, losses = 0, []
     batches = dl
     if args.resume:
@@ -49,7 +58,10 @@ def main() -> None:
             break
         loss = model(ids)
         acc.backward(loss)
-        acc.clip_grad_norm_(model.parameters(), 0.5)
+        if args.reduce_scatter:
+            unwrap(opt).clip_grad_norm_(0.5)
+        else:
+            acc.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -61,7 +73,8 @@ def main() -> None:
     zero.consolidate_state_dict(0)
     sd = zero.state_dict() if acc.process_index == 0 else None
     write_result(args.out, acc.process_index, acc.unwrap_model(model).parameters(), sd,
-                 {"losses": losses, "sharding": zero.sharding})
+                 {"losses": losses, "sharding": zero.sharding,
+                  "hook_ran": "_grad_reducer" in vars(zero)})
     acc.wait_for_everyone()
 
 

@@ -36,6 +36,19 @@ the figures of every other rank. Columns:
   equal). ``gathered``: pickled size of all ranks' descriptions (what rank 0 receives via
   gather_object); ``meta ms``: time of ``_build_meta``.
 
+Reduce-scatter mode (``zero_ext.ddp_zero_hook.reduce_scatter_hook``), one table per run:
+collectives and bytes per iteration per rank, in the ring model of ``common.ring_wire_bytes``
+(the one bench_iteration.py counts with), next to DDP's ring all-reduce of the model,
+2(W-1)/W of its bytes. The hook needs DDP's GradBuckets, which DDP does not build on meta
+params, so they are computed: DDP's rebuilt buckets (params in reverse module order, as
+their grads become ready, cut by torch's own ``dist._compute_bucket_assignment_by_size``
+at DDP's 1 MiB first / 25 MiB caps); each is then cut by the hook's own code
+(``GradReducer.bucket_plan``, from the optimizer's plan) into the split sizes of its
+``all_to_all_single``: a rank sends each bucket's elements owned by the others. The step's
+exchange and agreement are counted (wrapped collectives) in one step of rank 0, and the
+clip's one all-reduce (of 2W+1 float64: ``opt.clip_grad_norm_`` reads grad values, which
+meta params do not have) is added; in the ring model they cost every rank the same.
+
 Limits of meta + fake: no compute or transfer time (only host cost), no DCP file writing
 (the ``.metadata`` of torch.distributed.checkpoint and the files are not produced), and the
 fake backend is neither gloo nor NCCL: with ``--bucket-view`` the exchange takes the generic
@@ -74,9 +87,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import model_shapes  # noqa: E402
+from common import WireCounter, ring_wire_bytes  # noqa: E402
 
 import zero_ext  # noqa: E402
 from zero_ext import layout, state, sync  # noqa: E402
+from zero_ext import grad_reduce  # noqa: E402
 from zero_ext.checkpoint import format as ckpt_format  # noqa: E402
 from zero_ext.kernels import partition  # noqa: E402
 from zero_ext.kernels._loader import native_available  # noqa: E402
@@ -320,6 +335,95 @@ def checkpoint_meta(opt) -> dict:
             "stored_chunks": sum(len(d["chunks"]) for d in descs)}
 
 
+# ------------------------------------------------------------------ reduce-scatter mode
+
+DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES = 1 << 20, 25 << 20  # DDP's defaults
+
+
+class PlannedBucket:
+    """What reduce_scatter_hook reads of a DDP GradBucket (index, params, buffer size)."""
+
+    def __init__(self, index: int, params: list):
+        self._index, self._params = index, params
+        self._numel = sum(p.numel() for p in params)
+
+    def index(self) -> int:
+        return self._index
+
+    def parameters(self) -> list:
+        return self._params
+
+    def buffer(self) -> torch.Tensor:
+        return torch.empty(self._numel, dtype=self._params[0].dtype, device="meta")
+
+
+def ddp_buckets(params) -> list[PlannedBucket]:
+    """DDP's buckets after its rebuild: params in the order their grads become ready
+    (reverse module order here), cut at DDP's byte caps by torch's own function."""
+    order = params[::-1]
+    indices, _ = dist._compute_bucket_assignment_by_size(
+        order, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES], [False] * len(order))
+    return [PlannedBucket(i, [order[j] for j in ids]) for i, ids in enumerate(indices)]
+
+
+def reduce_scatter_bytes(opt, params) -> dict:
+    """Per rank, the bytes the hook's all_to_all sends in one iteration (every bucket's
+    elements the other ranks own), with the number of buckets."""
+    reducer = grad_reduce.reducer_of(opt)
+    world, size = opt.world_size, _elem_size(params[0].dtype)
+    sent = [0] * world
+    buckets = ddp_buckets(params)
+    for b in buckets:
+        bp = reducer.bucket_plan(b)
+        if bp is None:
+            raise AssertionError("a bucket of the optimizer's own params was not planned")
+        total = sum(bp.splits)
+        for r in range(world):
+            sent[r] += (total - bp.splits[r]) * size
+    return {"buckets": len(buckets), "a2a_sent": sent}
+
+
+def run_reduce_scatter_case(model: str, world: int, sharding: str, args) -> dict:
+    shapes = model_shapes.model_shapes(model)
+    dtype = getattr(torch, args.dtype)
+    opt, params = build_zero(shapes, dtype, sharding, args.bucket_view, args.master_weights)
+    numel = sum(p.numel() for p in params)
+    rs = reduce_scatter_bytes(opt, params)
+    for p in params:
+        p.grad = torch.empty_like(p)
+    opt.step()  # the first step builds the exchange plan
+    with WireCounter() as step:
+        opt.step()
+    # opt.clip_grad_norm_ reads grad values (not on meta): its one all-reduce of 2W+1
+    # float64 (zero_ext/grad_norm.py), in the same ring model
+    clip = ring_wire_bytes("all_reduce", {"tensor": torch.empty(2 * world + 1,
+                                                                dtype=torch.float64,
+                                                                device="meta"),
+                                          "group": None})
+    sent = rs["a2a_sent"]
+    common_bytes = step.total + clip  # ring model: the same on every rank
+    ddp = 2 * (world - 1) / world * numel * _elem_size(dtype)
+    mean = sum(sent) / world + common_bytes
+    return {"model": model, "world": world, "sharding": sharding, "elements": numel,
+            "a2a_calls": rs["buckets"], "step_calls": len(step.calls) + 1,
+            "a2a_mean": sum(sent) / world, "a2a_max": max(sent), "exchange": step.total,
+            "clip": clip, "sent_mean": mean, "sent_max": max(sent) + common_bytes,
+            "ddp": ddp}
+
+
+RS_HEADERS = ["model", "world", "sharding", "DDP buckets = all_to_all calls",
+              "other colls (step + clip)", "all_to_all MiB/rank mean", "max",
+              "exchange MiB/rank", "total MiB/rank mean", "x DDP bytes (mean)",
+              "x DDP (max rank)"]
+
+
+def rs_table_row(r: dict) -> list[str]:
+    return [r["model"], str(r["world"]), r["sharding"], str(r["a2a_calls"]),
+            str(r["step_calls"]), _mib(r["a2a_mean"]), _mib(r["a2a_max"]),
+            _mib(r["exchange"]), _mib(r["sent_mean"]), f"{r['sent_mean'] / r['ddp']:.4f}",
+            f"{r['sent_max'] / r['ddp']:.4f}"]
+
+
 # ------------------------------------------------------------------ one case
 
 def build_zero(shapes, dtype, sharding, bucket_view, master_weights):
@@ -430,11 +534,11 @@ def table_row(r: dict) -> list[str]:
             _ms(r["meta_build_s"]) if "meta_build_s" in r else "-"]
 
 
-def print_table(rows: list[dict]) -> str:
-    cells = [table_row(r) for r in rows]
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(HEADERS)]
+def print_table(rows: list[dict], headers=HEADERS, row_fn=table_row) -> str:
+    cells = [row_fn(r) for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers)]
     line = lambda cs: "| " + " | ".join(c.rjust(w) for c, w in zip(cs, widths)) + " |"  # noqa: E731
-    out = [line(HEADERS), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out += [line(c) for c in cells]
     text = "\n".join(out)
     print(text, flush=True)
@@ -533,6 +637,8 @@ def main(argv=None) -> int:
                          "generic broadcast path, see the docstring)")
     ap.add_argument("--no-torch", action="store_true",
                     help="skip torch's ZeroRedundancyOptimizer construction")
+    ap.add_argument("--no-reduce-scatter", action="store_true",
+                    help="skip the reduce-scatter mode's bytes per iteration")
     ap.add_argument("--no-checkpoint", action="store_true",
                     help="skip the checkpoint metadata columns")
     ap.add_argument("--extras", action="store_true",
@@ -589,11 +695,24 @@ def main(argv=None) -> int:
     print()
     print_table(rows)
     print(f"\n(cases took {time.perf_counter() - t_start:.0f} s)")
+    rs_rows = []
+    if not args.no_reduce_scatter:
+        for world in worlds:
+            init_world(world)
+            for model in args.models:
+                for sharding in args.shardings:
+                    rs_rows.append(run_reduce_scatter_case(model, world, sharding, args))
+        rs_rows.sort(key=lambda r: (args.models.index(r["model"]), r["world"],
+                                    args.shardings.index(r["sharding"])))
+        print("\nReduce-scatter mode (zero_ext.ddp_zero_hook.reduce_scatter_hook): bytes per "
+              "iteration per rank, ring model (DDP: 2(W-1)/W of the model); DDP's rebuilt "
+              "buckets computed, cut by the hook's own plan (see the docstring)")
+        print_table(rs_rows, RS_HEADERS, rs_table_row)
     if run_extras:
         extras(worlds)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(rows + rs_rows, f, indent=1)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -66,3 +66,26 @@ def test_bench_iteration_quick(tmp_path):
     # the modes that step the same batches agree with DDP + AdamW
     for mode in ("torch_zero", "zero_ext", "zero_ext_rs"):
         assert sent[mode]["max_abs_diff"] <= 1e-5, (mode, sent[mode]["max_abs_diff"])
+
+
+def test_bench_scale_reduce_scatter_bytes(tmp_path):
+    """bench_scale.py's reduce-scatter rows at world 8 and 64 (fake process group): the
+    hook's all_to_all sends (W-1)/W of the model per rank on average, every rank the same in
+    flat mode, and with the exchange the iteration costs DDP's bytes (to a few scalars)."""
+    js = tmp_path / "scale.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_scale.py"), "--quick",
+         "--models", "gpt2-small", "--worlds", "8", "64", "--no-torch", "--no-checkpoint",
+         "--json", str(js)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [r for r in json.loads(js.read_text()) if "a2a_calls" in r]
+    assert {(r["world"], r["sharding"]) for r in rows} == {
+        (w, s) for w in (8, 64) for s in ("param", "flat")}
+    for r in rows:
+        world, model_bytes = r["world"], r["elements"] * 4
+        assert r["a2a_mean"] == (world - 1) / world * model_bytes, r
+        assert r["a2a_calls"] > 1  # one per DDP bucket
+        if r["sharding"] == "flat":
+            assert r["a2a_max"] == r["a2a_mean"], r
+        assert r["sent_mean"] <= r["ddp"] + CONTROL_BYTES * world, r

@@ -35,11 +35,16 @@ KW = {"SGD": dict(lr=0.01, momentum=0.9, weight_decay=0.001),
 MODES = [("param", False), ("flat", False), ("param", True), ("flat", True)]
 
 
-def _model():
+def _model(strided=False):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 30),
-                               torch.nn.Tanh(), torch.nn.Linear(30, 20), torch.nn.Tanh(),
-                               torch.nn.Linear(20, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(),
+                                torch.nn.Linear(40, 30), torch.nn.Tanh(),
+                                torch.nn.Linear(30, 20), torch.nn.Tanh(), torch.nn.Linear(20, 3))
+    if strided:  # dense but not row-major (as channels_last): DDP's bucket keeps that order
+        for i in (0, 4):
+            w = model[i].weight.detach()
+            model[i].weight = torch.nn.Parameter(w.t().contiguous().t())
+    return model
 
 
 def _ddp(model, ctx, gabv, static, **kw):
@@ -62,11 +67,11 @@ def _hook_ctor(interleaved):
 
 
 def _parity(ctx, opt_name, interleaved, gabv, static, shard_buckets, sharding, bv,
-            grouped=False):
+            grouped=False, strided=False):
     from zero_ext import ZeroRedundancyOptimizer
 
     cls, kw = getattr(torch.optim, opt_name), KW[opt_name]
-    model = _model()
+    model = _model(strided)
     ddp_overlap, ddp_local = _ddp(model, ctx, gabv, static), _ddp(model, ctx, gabv, static)
     zero = ZeroRedundancyOptimizer(_groups(list(ddp_overlap.parameters()), grouped), cls,
                                    process_group=ctx.pg, overlap_with_ddp=True,
@@ -135,6 +140,12 @@ for _opt, _il, (_mode, _bv) in itertools.product(("AdamW", "SGD"), (False, True)
     _register(f"groups_{_opt}_{'interleaved' if _il else 'hook'}_{_mode}", opt_name=_opt,
               interleaved=_il, gabv=False, static=False, shard_buckets=False, sharding=_mode,
               bv=_bv, grouped=True)
+
+
+for _opt, _il, _gabv in (("SGD", False, False), ("AdamW", True, True)):
+    _register(f"strided_{_opt}_{'interleaved' if _il else 'hook'}_gabv{int(_gabv)}",
+              opt_name=_opt, interleaved=_il, gabv=_gabv, static=False, shard_buckets=False,
+              sharding="param", bv=False, strided=True)
 
 
 # ------------------------------------------------------------------ clear errors

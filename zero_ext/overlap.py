@@ -165,6 +165,17 @@ def build_hook(hook, ddp, zero, shard_buckets: bool, interleaved: bool, what: st
     return hook_with_zero
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill its memory span without gaps or overlaps, in some order
+    of its dims (DDP then lays its grad out in that order inside the bucket)."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class BucketStepper:
     """One optimizer's steps inside one DDP model's backward (see the module docstring)."""
 
@@ -285,10 +296,17 @@ class BucketStepper:
             value = value[0]
         flat = value.reshape(-1)
         base = bucket.buffer().storage_offset()
+        params = self.zero._all_params
         for pid, g in zip(self.bucket_ids[b], bucket.gradients()):
             if pid is not None:
+                # DDP lays a dense param's grad out in the param's own memory order
+                # (channels_last, a transposed weight), but GradBucket.gradients() views
+                # every slice as row-major: take the slice with the param's strides
                 off = g.storage_offset() - base
-                self.sources[pid].grad = flat[off:off + g.numel()].view(g.shape)
+                p = params[pid]
+                self.sources[pid].grad = (
+                    flat.as_strided(p.shape, p.stride(), flat.storage_offset() + off)
+                    if _dense(p) else g)
 
     def _generic_step(self, buckets: set[int]) -> None:
         """optimizer_class's own step, given only the pieces of `buckets` as grads (the user's

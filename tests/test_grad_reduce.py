@@ -317,3 +317,73 @@ def test_each_rank_sends_only_what_others_own(sharding):
     out = run_world(_bytes, 2, sharding)
     total = out[0][1]
     assert sum(s for s, _ in out) == total  # W=2: every element leaves one rank once
+
+
+def _accumulate(rank, world, how):
+    """Two backwards before one step: without no_sync the second reduction would mix
+    averaged and local grads: an error on every rank; zeroed in between: fine."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    cap = 25 if how.startswith("one-bucket") else 0.002
+    net = _Net()
+    ddp = DDP(net, bucket_cap_mb=cap, gradient_as_bucket_view=how.endswith("grad-view"))
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW, sharding="flat", **HP)
+    ddp.register_comm_hook(None, reduce_scatter_hook)
+    ref = DDP(_Net(), bucket_cap_mb=cap)
+    o_ref = torch.optim.AdamW(ref.module.parameters(), **HP)
+    for it in range(2):
+        ddp(_batch(rank, it)).square().mean().backward()
+        if "zeroed" in how:
+            ddp.zero_grad(set_to_none=False)  # the first micro-batch discarded, in place
+        ddp(_batch(rank, it, 1)).square().mean().backward()
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            return str(exc)
+        opt.zero_grad()
+        ref(_batch(rank, it, 1)).square().mean().backward()
+        o_ref.step()
+        o_ref.zero_grad()
+    for a, b in zip(ref.module.parameters(), net.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), **TOL)
+    return None
+
+
+@pytest.mark.parametrize("how", ["one-bucket", "buckets", "one-bucket-grad-view",
+                                 "one-bucket-zeroed", "buckets-zeroed-grad-view"])
+def test_two_backwards_without_no_sync(how):
+    msgs = run_world(_accumulate, 2, how)
+    for m in msgs:
+        if "zeroed" in how:
+            assert m is None, m
+        else:
+            assert m is not None and "no_sync" in m, m
+
+
+def _newest(rank, world):
+    """state None: the hook uses the most recently built optimizer over the params, on
+    every rank, although an older one over the same params is still alive."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    (ref, o_ref), (zero, old) = _pair(rank, dict(sharding="param"))
+    new = ZeroRedundancyOptimizer(_groups(zero.module), torch.optim.AdamW, sharding="flat",
+                                  **HP)
+    fresh = DDP(zero.module, bucket_cap_mb=0.002)
+    fresh.register_comm_hook(None, reduce_scatter_hook)
+    for it in range(3):
+        _iteration(rank, it, ref, o_ref, {"clip": True}, True)
+        _iteration(rank, it, fresh, new, {"clip": True}, False)
+    for a, b in zip(ref.module.parameters(), zero.module.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), **TOL)
+    return "_grad_reducer" in vars(new), "_grad_reducer" in vars(old)
+
+
+def test_hook_without_state_takes_the_newest_optimizer():
+    for used_new, used_old in run_world(_newest, 2):
+        assert used_new and not used_old

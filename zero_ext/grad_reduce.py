@@ -26,6 +26,8 @@ step raises on every rank when one changed (GradScaler's own in-place inf check 
 `unscale_`, a uniform scaling that commutes with the average, are allowed).
 """
 # (no `from __future__ import annotations`: DDP checks the hook's annotations as objects)
+import functools
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -37,12 +39,14 @@ import torch.distributed as dist
 from . import layout
 from .sync import wire_view
 
-_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # every ZeroRedundancyOptimizer alive
+# every ZeroRedundancyOptimizer alive, by construction order (the same on every rank)
+_LIVE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_built = itertools.count()
 
 
 def track(opt) -> None:
     """Make `opt` findable by `reduce_scatter_hook(None, bucket)`."""
-    _LIVE.add(opt)
+    _LIVE[next(_built)] = opt
 
 
 @dataclass
@@ -75,6 +79,8 @@ class GradReducer:
         self.seq = 0            # the hook's calls in this backward (bucket order)
         self.ordered = _InOrder()
         self.in_flight: dict = {}  # lane -> its all_to_all not waited for yet
+        self.accumulated = False  # a backward ran onto reduced grads
+        self._watched = 0         # params whose incoming grads are watched
         self.seen: list | None = None  # (grad, version) per param once DDP wrote them
 
     # -------------------------------------------------------------- ownership
@@ -229,6 +235,7 @@ class GradReducer:
         if self._armed:
             return
         self._armed = True  # the first bucket of a backward
+        self._watch_accumulation()
         self.seen = None
         self.seq = 0
         self.ordered = _InOrder()
@@ -238,6 +245,18 @@ class GradReducer:
             engine.queue_callback(lambda: engine.queue_callback(self._record))
         except RuntimeError:  # not inside a backward (DDP's join hook runs buckets itself)
             self._armed = False
+
+    def _watch_accumulation(self) -> None:
+        """A hook on every trainable param's incoming grad (registered once per param)
+        notices a backward that adds onto a grad this hook reduced, untouched since (no
+        step, no zero_grad between): the elements a rank does not own hold its local grad,
+        so the next reduction would mix averaged and local grads. The next step raises."""
+        params = self.opt()._all_params
+        me = weakref.ref(self)
+        for i in range(self._watched, len(params)):
+            if params[i].requires_grad:
+                params[i].register_hook(functools.partial(_incoming_grad, me, i))
+        self._watched = len(params)
 
     def _record(self) -> None:
         self._armed = False
@@ -289,6 +308,18 @@ def _scaler_bumps_versions(device: torch.device) -> bool:
             [t], torch.zeros(1, device=device), torch.ones(1, device=device))
         _SCALER_BUMPS[device.type] = t._version != v
     return _SCALER_BUMPS[device.type]
+
+
+def _incoming_grad(reducer_ref, i: int, grad):
+    """Tensor hook of param i (see GradReducer._watch_accumulation): runs before autograd
+    adds `grad` to the param's .grad."""
+    r = reducer_ref()
+    if r is not None and r.seen is not None and r.seen[i] is not None:
+        opt = r.opt()
+        g = None if opt is None else opt._all_params[i].grad
+        if g is r.seen[i][0] and g._version == r.seen[i][1]:
+            r.accumulated = True
+    return None
 
 
 class _InOrder:
@@ -355,8 +386,10 @@ def _owner_of(bucket, state: Any):
             raise TypeError("reduce_scatter_hook: the hook's state must be a zero_ext "
                             f"ZeroRedundancyOptimizer or None, got {type(state).__name__}")
         return state
+    # the most recently built one holding the bucket's params: an optimizer built again
+    # over the same params (a new run in one process) replaces one still referenced
     first = id(bucket.parameters()[0])
-    for opt in list(_LIVE):
+    for _, opt in sorted(_LIVE.items(), key=lambda kv: -kv[0]):
         if first in param_index(opt):
             return opt
     return None
@@ -400,6 +433,16 @@ def check_grads(opt, scaler: bool, error: BaseException | None
     if reducer is None or reducer.seen is None:
         return False, error
     changed = reducer.changed_grads(scaler)
+    if reducer.accumulated:
+        reducer.accumulated = False
+        if error is None:
+            error = RuntimeError(
+                "ZeroRedundancyOptimizer.step: several backward passes ran through DDP with "
+                "zero_ext's reduce_scatter_hook before this step. After the hook each rank's "
+                ".grad holds the averaged grad only where the rank owns the elements, so a "
+                "second reduction adds local and averaged grads. Accumulate micro-batches "
+                "under `with ddp.no_sync():` for all but the last backward (which is also "
+                "what saves DDP's bytes), or use DDP's default all-reduce")
     if changed and error is None:
         error = RuntimeError(
             f"ZeroRedundancyOptimizer.step: the grads of params {changed[:8]}"

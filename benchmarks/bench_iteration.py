@@ -37,6 +37,14 @@ zero_ext/zero_ext_rs: opt.last_step_timings["comm"], which on gloo with bucket v
 holds the sends overlapped with the local step; zero_ext_overlap: the exchange after the
 last bucket).
 
+"max abs diff vs ddp": the largest param difference to ddp's after the same iterations
+(torch_zero, zero_ext, zero_ext_rs take the same steps on the same batches), a sanity check,
+not a tolerance test (tests/ hold those): zero_ext's fused AdamW rounds differently from
+torch's in the last bit of some elements, and Adam turns such differences into visible
+ones where grads are below its eps, as in this MLP (grads ~1e-9: torch's fused AdamW
+against itself with 1-ulp nudges of 30% of the weights after step 1 differs by 1.6e-5
+two steps later).
+
 Bytes: after the timing, one extra untimed iteration per mode runs with torch.distributed's
 Python collectives wrapped (common.WireCounter) and every call converted to the bytes this
 rank sends in the ring model (all_reduce 2(W-1)/W n, broadcast (W-1)/W n averaged over
@@ -429,7 +437,9 @@ def tables(summary: dict, file=None) -> str:
             f"{spec['batch']}" if spec["name"] == "mlp" else
             f"GPT-2 small shapes, {spec['layers']} layers, width {spec['d']}, vocab "
             f"{spec['vocab']}, batch {spec['batch']} x {spec['seq']} tokens")
-    title = (f"Whole iteration, {what}: {numel:,} fp32 params; world {world}, gloo; median "
+    cores = (f" ({world} ranks x {summary['threads']} thread(s) oversubscribe the cores)"
+             if summary.get("oversubscribed") else "")
+    title = (f"Whole iteration, {what}: {numel:,} fp32 params; world {world}{cores}, gloo; median "
              f"of {min(r['iters'] for r in rows.values())} iterations (slowest rank). Bytes "
              f"counted in one iteration, ring model; DDP's all-reduce counted through torch's "
              f"Python allreduce_hook (ring all-reduce of the model: "

@@ -317,8 +317,10 @@ def time_modes(cases, spec, batches, opts) -> dict:
         k = i % len(runners)
         for r in runners[k:] + runners[:k]:
             w = r.warmup_iterations(opts["warmup"])
-            n = steps[id(r)]
-            if n < w + opts["iters"]:  # the overlap mode has more warm-up iterations
+            # the overlap mode warms up longer: it starts earlier, so that every mode's timed
+            # iterations fall in the same rounds
+            if i >= rounds - (w + opts["iters"]):
+                n = steps[id(r)]
                 run_one(r, n, n >= w, record)
                 steps[id(r)] = n + 1
     for r in runners:

@@ -55,7 +55,7 @@ class _BucketPlan:
     bucket buffer it owns, in rank order."""
 
     params: tuple          # identities of the bucket's params (DDP rebuilds buckets)
-    plan_key: tuple        # identity of the shard plan it was cut by
+    plan_key: object       # the token of the ownership map it was cut by
     runs: list             # runs[r]: [(offset, length)] owned by rank r
     splits: list           # elements owned by each rank
     in_place: bool         # the runs in rank order are the buffer in order: no packing
@@ -73,7 +73,8 @@ class GradReducer:
     def __init__(self, opt):
         self.opt = weakref.ref(opt)
         self.buckets: dict[int, _BucketPlan] = {}
-        self._owned: tuple | None = None  # (plan key, {param_id: [(rank, start, length)]})
+        # (token, plan, its bucket list, its length, {param_id: [(rank, start, length)]})
+        self._owned: tuple | None = None
         self.replica_group = None
         self._armed = False     # a callback is queued for the end of this backward
         self.seq = 0            # the hook's calls in this backward (bucket order)
@@ -87,8 +88,8 @@ class GradReducer:
     def owned_runs(self) -> dict[int, list[tuple[int, int, int]]]:
         """param_id -> [(rank, start, length)]: who owns which elements of each param."""
         plan = self.opt().plan
-        key = (id(plan), id(plan.buckets), len(plan.buckets))
-        if self._owned is None or self._owned[0] != key:
+        if (self._owned is None or self._owned[1] is not plan
+                or self._owned[2] is not plan.buckets or self._owned[3] != len(plan.buckets)):
             out: dict[int, list] = {}
             for b in plan.buckets:
                 for r in range(plan.world_size):
@@ -98,8 +99,9 @@ class GradReducer:
                 for pid, r in enumerate(plan.owner):
                     if pid not in out:
                         out[pid] = [(r, 0, plan.params[pid].numel())]
-            self._owned = (key, out)
-        return self._owned[1]
+            # (a fresh token per ownership map: the bucket plans cut by it compare with it)
+            self._owned = (object(), plan, plan.buckets, len(plan.buckets), out)
+        return self._owned[4]
 
     def bucket_plan(self, bucket) -> _BucketPlan | None:
         """The plan of DDP's `bucket`, or None when it holds params this optimizer does not
@@ -109,7 +111,7 @@ class GradReducer:
         opt = self.opt()
         owned = self.owned_runs()
         bp = self.buckets.get(bucket.index())
-        if bp is not None and bp.params == ident and bp.plan_key == self._owned[0]:
+        if bp is not None and bp.params == ident and bp.plan_key is self._owned[0]:
             return bp
         index = param_index(opt)
         world = opt.world_size

@@ -175,15 +175,19 @@ def test_hf_trainer_optimizer_built_before_training_arguments(tmp):
         assert rec["world_size_after"] == 2, (r, rec["world_size_after"])
 
 
-def test_lightning_ddp_checkpoint_and_resume(tmp):
+def _lightning_run_and_resume(tmp, *flags):
+    """Run A (checkpoints every 4 steps), run B resumed from A's step 4: equal bitwise."""
     pytest.importorskip("pytorch_lightning")
     ck_a = os.path.join(tmp, "ck_a")
-    _run_ok("train_lightning.py", "--out", os.path.join(tmp, "a"), "--ckpt-dir", ck_a,
-            "--bucket-view")
+    _run_ok("train_lightning.py", "--out", os.path.join(tmp, "a"), "--ckpt-dir", ck_a, *flags)
     _run_ok("train_lightning.py", "--out", os.path.join(tmp, "b"), "--ckpt-dir",
             os.path.join(tmp, "ck_b"), "--resume-from", os.path.join(ck_a, "step=4.ckpt"),
-            "--bucket-view")
+            *flags)
     _assert_resumed_exactly(os.path.join(tmp, "a"), os.path.join(tmp, "b"))
+
+
+def test_lightning_ddp_checkpoint_and_resume(tmp):
+    _lightning_run_and_resume(tmp, "--bucket-view")
 
 
 def test_lightning_reduce_scatter_hook(tmp):
@@ -192,14 +196,7 @@ def test_lightning_reduce_scatter_hook(tmp):
     same params as Lightning's default DDP run (to fp32 rounding: the clip's norm is summed
     in another order), and a bitwise resume; Lightning's default clip (torch's) with the
     hook is an error naming opt.clip_grad_norm_ on every rank."""
-    pytest.importorskip("pytorch_lightning")
-    ck_a = os.path.join(tmp, "ck_a")
-    _run_ok("train_lightning.py", "--out", os.path.join(tmp, "a"), "--ckpt-dir", ck_a,
-            "--reduce-scatter")
-    _run_ok("train_lightning.py", "--out", os.path.join(tmp, "b"), "--ckpt-dir",
-            os.path.join(tmp, "ck_b"), "--resume-from", os.path.join(ck_a, "step=4.ckpt"),
-            "--reduce-scatter")
-    _assert_resumed_exactly(os.path.join(tmp, "a"), os.path.join(tmp, "b"))
+    _lightning_run_and_resume(tmp, "--reduce-scatter")
     assert _load(os.path.join(tmp, "a"), 0)["hook_ran"] and _load(os.path.join(tmp, "b"),
                                                                    1)["hook_ran"]
     _run_ok("train_lightning.py", "--out", os.path.join(tmp, "plain"), "--ckpt-dir",

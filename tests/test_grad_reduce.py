@@ -387,3 +387,17 @@ def _newest(rank, world):
 def test_hook_without_state_takes_the_newest_optimizer():
     for used_new, used_old in run_world(_newest, 2):
         assert used_new and not used_old
+
+
+def _zero_grad_then_step(rank, world):
+    """backward, zero_grad (grads None), step: nothing to step, no error (as torch)."""
+    _, (zero, opt) = _pair(rank, dict(sharding="flat"))
+    zero(_batch(rank, 0)).square().mean().backward()
+    before = [p.detach().clone() for p in zero.parameters()]
+    opt.zero_grad()
+    opt.step()
+    return all(torch.equal(a, b) for a, b in zip(before, zero.parameters()))
+
+
+def test_zero_grad_then_step_is_not_an_error():
+    assert all(run_world(_zero_grad_then_step, 2))

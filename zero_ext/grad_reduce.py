@@ -297,7 +297,7 @@ class GradReducer:
         for i, (p, s) in enumerate(zip(params, seen)):
             g = p.grad
             if s is None or g is not s[0]:
-                if s is not None or g is not None:
+                if g is not None:  # (a grad dropped since: the step skips that param)
                     out.append(i)
                 continue
             bumped = g._version - s[1]

@@ -536,6 +536,16 @@ def assert_same_on_every_rank(per_rank, what="param"):
             assert torch.equal(a, b), f"{what} {i} differs between rank 0 and rank {r}"
 
 
+def error_of(fn: Callable) -> tuple[str, str] | None:
+    """Call fn(); (exception type name, message) if it raised, else None: a rank's outcome
+    as plain, picklable data for a test to compare across ranks."""
+    try:
+        fn()
+        return None
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, str(exc))
+
+
 def gloo_available() -> bool:
     import torch.distributed as dist
 

@@ -26,7 +26,7 @@ import tempfile
 import pytest
 import torch
 
-from _dist import gloo_available, make_params, run_world, sd_diff
+from _dist import error_of, gloo_available, make_params, run_world, sd_diff
 
 pytestmark = pytest.mark.skipif(not gloo_available(), reason="needs torch.distributed with gloo")
 
@@ -49,14 +49,6 @@ def _train(opt, params, first, n):
     for s in range(first, first + n):
         _grads(params, s)
         opt.step()
-
-
-def _errors(fn):
-    try:
-        fn()
-        return None
-    except Exception as exc:  # noqa: BLE001
-        return (type(exc).__name__, str(exc))
 
 
 def _hybrid_world(rank, world, root):
@@ -128,7 +120,7 @@ def _hybrid_world(rank, world, root):
                 rec["resumed"][(layout, mode)] = ([p.detach().clone() for p in pl],
                                                   [p.detach().clone() for p in rp_order], diff)
         # job-wide errors
-        rec["err_paths"] = _errors(lambda: checkpoint.save(opt, os.path.join(root, f"p{rank}")))
+        rec["err_paths"] = error_of(lambda: checkpoint.save(opt, os.path.join(root, f"p{rank}")))
         # one rank of the second replica cannot read the checkpoint (a node's I/O error)
         real = checkpoint.read_meta
         if rank == 3:
@@ -136,7 +128,7 @@ def _hybrid_world(rank, world, root):
                 raise OSError(f"injected: cannot read {p}")
             checkpoint.read_meta = unreadable
         try:
-            rec["err_unreadable"] = _errors(lambda: checkpoint.load(opt, path))
+            rec["err_unreadable"] = error_of(lambda: checkpoint.load(opt, path))
         finally:
             checkpoint.read_meta = real
 

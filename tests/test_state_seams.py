@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from _dist import (WORLD_SIZES, Scenarios, assert_params_close, assert_raised,
+from _dist import (WORLD_SIZES, Scenarios, error_of, assert_params_close, assert_raised,
                    assert_same_on_every_rank, detached, gloo_available, make_params, sd_diff)
 
 pytestmark = pytest.mark.skipif(not gloo_available(), reason="needs torch.distributed with gloo")
@@ -54,14 +54,6 @@ def _train(opt, params, first, n, seed=0):
         opt.step()
 
 
-def _errors(fn):
-    try:
-        fn()
-        return None
-    except Exception as exc:  # noqa: BLE001
-        return (type(exc).__name__, str(exc))
-
-
 # ------------------------------------------------------------------ item 2: shapes
 
 
@@ -82,8 +74,8 @@ def shape_changed_state(ctx):
         ps = make_params(NOW_SHAPES, seed=4)
         opt = ZeroRedundancyOptimizer(ps, AdamW, process_group=ctx.pg, **kw, **HP)
         rec = out[mode] = {}
-        rec["every_rank"] = _errors(lambda: opt.load_state_dict(copy.deepcopy(saved)))
-        rec["rank0_only"] = _errors(lambda: opt.load_state_dict(
+        rec["every_rank"] = error_of(lambda: opt.load_state_dict(copy.deepcopy(saved)))
+        rec["rank0_only"] = error_of(lambda: opt.load_state_dict(
             copy.deepcopy(saved) if ctx.rank == 0 else None))
         rec["untouched"] = not any(opt.optim.state.values())
         # the same dict into params of the saved shapes loads and trains as torch
@@ -168,7 +160,7 @@ def eager_state_survives_prepare(ctx):
             if "state" in sd:
                 rec["diff"] = sd_diff(sd, ref.state_dict(), **TOL)
             opt.load_state_dict(copy.deepcopy(sd))
-            rec["err"] = _errors(lambda: _train(opt, ps, 0, 3))
+            rec["err"] = error_of(lambda: _train(opt, ps, 0, 3))
             _train(ref, rp, 0, 3)
             rec["zero"], rec["ref"] = detached(ps), detached(rp)
     return out
@@ -207,11 +199,11 @@ def two_optimizers_of_one_group_save_to_one_path(ctx):
     torch.distributed.broadcast_object_list(
         root, src=torch.distributed.get_global_rank(ctx.pg, 0), group=ctx.pg)
     path = os.path.join(root[0], "optim")
-    err = _errors(lambda: checkpoint.save(a if ctx.rank == 0 else b, path))
+    err = error_of(lambda: checkpoint.save(a if ctx.rank == 0 else b, path))
     torch.distributed.barrier(group=ctx.pg)
     written = os.path.exists(path) or os.path.exists(path + ".zero_ext-tmp")
     # the same save of one optimizer still works
-    ok = _errors(lambda: checkpoint.save(a, path))
+    ok = error_of(lambda: checkpoint.save(a, path))
     return {"err": err, "written": written, "ok": ok}
 
 
@@ -276,7 +268,7 @@ def rendezvous_timeout_races_a_late_rank(ctx):
         else:
             agree.RENDEZVOUS_TIMEOUT_S, agree.RENDEZVOUS_WARN_S = 3.0, 1.0
             ctx.store.wait(["late/go"], datetime.timedelta(seconds=30))
-        err = _errors(lambda: agree.rendezvous(ctx.pg, 2, ctx.rank, "seams.test", "hint"))
+        err = error_of(lambda: agree.rendezvous(ctx.pg, 2, ctx.rank, "seams.test", "hint"))
         if ctx.rank == 1:
             ctx.store.set("late/done", "1")
         if ctx.rank == 0:
@@ -284,7 +276,7 @@ def rendezvous_timeout_races_a_late_rank(ctx):
         dist.distributed_c10d._get_default_store = saved[2]
         agree.RENDEZVOUS_TIMEOUT_S, agree.RENDEZVOUS_WARN_S = 3.0, 1.0
         # the next call of both ranks pairs up when the first one agreed
-        again = _errors(lambda: agree.rendezvous(ctx.pg, 2, ctx.rank, "seams.test", "hint"))
+        again = error_of(lambda: agree.rendezvous(ctx.pg, 2, ctx.rank, "seams.test", "hint"))
     finally:
         (agree.RENDEZVOUS_TIMEOUT_S, agree.RENDEZVOUS_WARN_S,
          dist.distributed_c10d._get_default_store) = saved
@@ -394,7 +386,7 @@ def _four_ranks(rank, world, root):
             opt2 = ZeroRedundancyOptimizer(model2.parameters(), AdamW, process_group=shard,
                                            sharding=mode, **HP)
             ddp2 = DDP(model2, find_unused_parameters=unused)
-            rec["resume"] = _errors(lambda: opt2.load_state_dict(
+            rec["resume"] = error_of(lambda: opt2.load_state_dict(
                 torch.load(f, weights_only=True) if rank == 0 else None))
             if rec["resume"] is None:
                 _ddp_steps(ddp2, opt2, rank, 2, 2)
@@ -405,13 +397,13 @@ def _four_ranks(rank, world, root):
             fresh = ZeroRedundancyOptimizer(_mlp(2).parameters(), AdamW, process_group=shard,
                                             sharding=mode, **HP)
             other = fresh.state_dict()  # a real dict with empty state
-            rec["err_two_dicts"] = _errors(lambda: fresh.load_state_dict(
+            rec["err_two_dicts"] = error_of(lambda: fresh.load_state_dict(
                 torch.load(f, weights_only=True) if rank == 0 else other if rank == 2
                 else None))
-            rec["err_none"] = _errors(lambda: fresh.load_state_dict(None))
+            rec["err_none"] = error_of(lambda: fresh.load_state_dict(None))
             bad = torch.load(f, weights_only=True)
             bad["param_groups"] = bad["param_groups"] + bad["param_groups"]
-            rec["err_bad_on_0"] = _errors(lambda: fresh.load_state_dict(
+            rec["err_bad_on_0"] = error_of(lambda: fresh.load_state_dict(
                 bad if rank == 0 else None))
             rec["fresh_untouched"] = not any(fresh.optim.state.values())
     # item 3: two independent optimizers over halves of the job, equal shapes, one path
@@ -423,21 +415,21 @@ def _four_ranks(rank, world, root):
     for p in hm.parameters():
         p.grad = torch.ones_like(p)
     hopt.step()
-    out["halves"] = _errors(lambda: checkpoint.save(hopt, path))
+    out["halves"] = error_of(lambda: checkpoint.save(hopt, path))
     out["halves_written"] = os.path.exists(path) or os.path.exists(path + ".zero_ext-tmp")
-    out["halves_own_paths"] = _errors(
+    out["halves_own_paths"] = error_of(
         lambda: checkpoint.save(hopt, os.path.join(root, f"half{rank // 2}")))
     # an ensemble: every rank its own optimizer (world 1 each) over other values
     em = _mlp(20 + rank)
     eopt = ZeroRedundancyOptimizer(em.parameters(), AdamW, process_group=single, **HP)
-    out["ensemble"] = _errors(lambda: checkpoint.save(eopt, os.path.join(root, "ens")))
+    out["ensemble"] = error_of(lambda: checkpoint.save(eopt, os.path.join(root, "ens")))
     # replicas of one optimizer (2 x 2) still write one checkpoint together
     rm = _mlp(30)
     ropt = ZeroRedundancyOptimizer(rm.parameters(), AdamW, process_group=shard, **HP)
     for p in rm.parameters():
         p.grad = torch.ones_like(p)
     ropt.step()
-    out["replicas"] = _errors(lambda: checkpoint.save(ropt, os.path.join(root, "rep")))
+    out["replicas"] = error_of(lambda: checkpoint.save(ropt, os.path.join(root, "rep")))
     if rank == 0 and out["replicas"] is None:
         out["replicas_meta"] = checkpoint.read_meta(os.path.join(root, "rep"))["replicas"]
     return out

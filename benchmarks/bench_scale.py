@@ -87,7 +87,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import model_shapes  # noqa: E402
-from common import WireCounter, ring_wire_bytes  # noqa: E402
+from common import WireCounter, ring_wire_bytes, tensor_bytes  # noqa: E402
 
 import zero_ext  # noqa: E402
 from zero_ext import layout, state, sync  # noqa: E402
@@ -133,14 +133,6 @@ _COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor
                 "gather_object", "broadcast_object_list")
 
 
-def _nbytes(t) -> int:
-    if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return 0
-
-
 class CollectiveCounter:
     """Wraps torch.distributed's collectives (module attributes, which zero_ext calls as
     ``dist.broadcast(...)``) and records (name, payload bytes, bytes this rank sent)."""
@@ -157,24 +149,24 @@ class CollectiveCounter:
             me = dist.get_rank()  # src is a global rank
             if src is None and kwargs.get("group_src") is not None:
                 src = dist.get_global_rank(group or dist.group.WORLD, kwargs["group_src"])
-            n = _nbytes(t)
+            n = tensor_bytes(t)
             return n, n if src == me else 0
         if name in ("all_reduce", "reduce", "send", "isend", "all_to_all_single"):
             t = arg(1, "input") if name == "all_to_all_single" else arg(0, "tensor")
-            n = _nbytes(t)
+            n = tensor_bytes(t)
             return n, n
         if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
             inp = arg(1, "input_tensor" if name == "all_gather_into_tensor" else "input")
-            return _nbytes(arg(0, "output_tensor" if name == "all_gather_into_tensor"
-                               else "output")), _nbytes(inp)
+            out = arg(0, "output_tensor" if name == "all_gather_into_tensor" else "output")
+            return tensor_bytes(out), tensor_bytes(inp)
         if name == "all_gather":
-            return _nbytes(arg(0, "tensor_list")), _nbytes(arg(1, "tensor"))
+            return tensor_bytes(arg(0, "tensor_list")), tensor_bytes(arg(1, "tensor"))
         if name in ("all_gather_object", "gather_object"):
             obj = arg(1, "obj") if name == "all_gather_object" else arg(0, "obj")
             n = len(pickle.dumps(obj))
             return n, n
         if name in ("recv", "irecv"):
-            return _nbytes(arg(0, "tensor")), 0
+            return tensor_bytes(arg(0, "tensor")), 0
         return 0, 0
 
     def __enter__(self):

@@ -127,11 +127,12 @@ WIRE_COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce
                     "all_gather_object", "broadcast_object_list", "gather_object", "barrier")
 
 
-def _tensor_bytes(t) -> int:
+def tensor_bytes(t) -> int:
+    """Bytes of a tensor or of a (nested) list of tensors; 0 for anything else."""
     if isinstance(t, torch.Tensor):
         return t.numel() * t.element_size()
     if isinstance(t, (list, tuple)):
-        return sum(_tensor_bytes(x) for x in t)
+        return sum(tensor_bytes(x) for x in t)
     return 0
 
 
@@ -153,25 +154,25 @@ def ring_wire_bytes(name: str, bound: Dict[str, object]) -> int:
         return 0
     frac = (world - 1) / world
     if name == "all_reduce":
-        return round(2 * frac * _tensor_bytes(bound["tensor"]))
+        return round(2 * frac * tensor_bytes(bound["tensor"]))
     if name in ("broadcast", "reduce"):
-        return round(frac * _tensor_bytes(bound["tensor"]))
+        return round(frac * tensor_bytes(bound["tensor"]))
     if name == "all_gather_into_tensor":
-        return round(frac * _tensor_bytes(bound["output_tensor"]))
+        return round(frac * tensor_bytes(bound["output_tensor"]))
     if name == "reduce_scatter_tensor":
-        return round(frac * _tensor_bytes(bound["input"]))
+        return round(frac * tensor_bytes(bound["input"]))
     if name == "all_gather":
-        return (world - 1) * _tensor_bytes(bound["tensor"])
+        return (world - 1) * tensor_bytes(bound["tensor"])
     if name == "all_to_all_single":
         inp = bound["input"]
         splits = bound.get("input_split_sizes")
         if not splits:
-            return round(frac * _tensor_bytes(inp))
+            return round(frac * tensor_bytes(inp))
         me = dist.get_rank(group)
         per_row = inp.element_size() * (inp[0].numel() if inp.dim() > 1 else 1)
         return per_row * sum(n for r, n in enumerate(splits) if r != me)
     if name in ("send", "isend"):
-        return _tensor_bytes(bound["tensor"])
+        return tensor_bytes(bound["tensor"])
     if name == "all_gather_object":
         return (world - 1) * len(pickle.dumps(bound["obj"]))
     if name == "broadcast_object_list":

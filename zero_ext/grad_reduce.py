@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import layout
 from .sync import wire_view
@@ -56,6 +57,7 @@ class _BucketPlan:
 
     params: tuple          # identities of the bucket's params (DDP rebuilds buckets)
     plan_key: object       # the token of the ownership map it was cut by
+    param_ids: tuple       # their indices in the optimizer's params
     runs: list             # runs[r]: [(offset, length)] owned by rank r
     splits: list           # elements owned by each rank
     in_place: bool         # the runs in rank order are the buffer in order: no packing
@@ -82,7 +84,12 @@ class GradReducer:
         self.in_flight: dict = {}  # lane -> its all_to_all not waited for yet
         self.accumulated = False  # a backward ran onto reduced grads
         self._watched = 0         # params whose incoming grads are watched
-        self.seen: list | None = None  # (grad, version) per param once DDP wrote them
+        # (grad, version) per param once DDP wrote them; None for params in buckets that
+        # were all-reduced (their grads are whole: anything may read or change them)
+        self.seen: list | None = None
+        self.reduced_ids: set[int] = set()  # params reduce-scattered in this backward
+        self.reduced_under: tuple | None = None  # the ownership map (self._owned) used
+        self.layout_checked = False
 
     # -------------------------------------------------------------- ownership
     def owned_runs(self) -> dict[int, list[tuple[int, int, int]]]:
@@ -116,11 +123,12 @@ class GradReducer:
         index = param_index(opt)
         world = opt.world_size
         runs: list[list] = [[] for _ in range(world)]
-        offset = 0
+        offset, ids = 0, []
         for p in params:
             pid = index.get(id(p))
             if pid is None:
                 return None
+            ids.append(pid)
             for r, start, length in sorted(owned[pid], key=lambda x: x[1]):
                 if length:
                     _append_run(runs[r], offset + start, length)
@@ -135,8 +143,8 @@ class GradReducer:
         for o, n in flat:
             in_place = in_place and o == pos
             pos = o + n
-        bp = _BucketPlan(ident, self._owned[0], runs, [sum(n for _, n in rr) for rr in runs],
-                         in_place)
+        bp = _BucketPlan(ident, self._owned[0], tuple(ids), runs,
+                         [sum(n for _, n in rr) for rr in runs], in_place)
         self.buckets[bucket.index()] = bp
         return bp
 
@@ -144,6 +152,8 @@ class GradReducer:
     def reduce(self, bucket, bp: _BucketPlan) -> torch.futures.Future:
         self._arm()  # here, on the autograd thread (the future's callbacks run elsewhere)
         seq, self.seq = self.seq, self.seq + 1
+        self.reduced_ids.update(bp.param_ids)
+        self.reduced_under = self._owned
         opt = self.opt()
         buf = bucket.buffer()
         world, me = opt.world_size, opt.rank
@@ -248,6 +258,7 @@ class GradReducer:
         self._armed = True  # the first bucket of a backward
         self._watch_accumulation()
         self.seen = None
+        self.reduced_ids = set()
         self.seq = 0
         self.ordered = _InOrder()
         self.in_flight = {}  # (DDP waited for every bucket of the last backward)
@@ -273,8 +284,26 @@ class GradReducer:
         self._armed = False
         opt = self.opt()
         if opt is not None:
-            self.seen = [None if p.grad is None else (p.grad, p.grad._version)
-                         for p in opt._all_params]
+            params = opt._all_params
+            self.seen = seen = [None] * len(params)
+            for i in self.reduced_ids:
+                g = params[i].grad
+                if g is not None:
+                    seen[i] = (g, g._version)
+                    _REDUCED_BY[params[i]] = (weakref.ref(self), weakref.ref(g))
+
+    def moved_ownership(self) -> list[int]:
+        """Indices of reduced params whose owners changed since the reduction (a new
+        partition between backward and step): their owners now hold unreduced grads."""
+        if self.reduced_under is None or self.seen is None:
+            return []
+        then = self.reduced_under
+        self.owned_runs()
+        if self._owned[0] is then[0]:
+            return []
+        now = self._owned[4]
+        return sorted(i for i in self.reduced_ids
+                      if sorted(then[4].get(i, ())) != sorted(now.get(i, ())))
 
     def changed_grads(self, scaler: bool) -> list[int]:
         """Indices of params whose grad was replaced or written in place since the hook
@@ -296,7 +325,9 @@ class GradReducer:
         out = []
         for i, (p, s) in enumerate(zip(params, seen)):
             g = p.grad
-            if s is None or g is not s[0]:
+            if s is None:
+                continue  # not reduce-scattered: a whole grad, free to change
+            if g is not s[0]:
                 if g is not None:  # (a grad dropped since: the step skips that param)
                     out.append(i)
                 continue
@@ -305,6 +336,10 @@ class GradReducer:
                 out.append(i)
         return out
 
+
+# param -> (weakref to the GradReducer that last reduce-scattered its grad, weakref to that
+# grad): an optimizer stepping a grad reduced under another optimizer's plan is an error
+_REDUCED_BY = WeakIdKeyDictionary()
 
 _SCALER_BUMPS: dict = {}
 
@@ -373,11 +408,67 @@ def reducer_of(opt) -> GradReducer:
     r = opt.__dict__.get("_grad_reducer")
     if r is None:
         r = opt.__dict__["_grad_reducer"] = GradReducer(opt)
-        if opt.process_group is not None and dist.get_world_size() > opt.world_size:
-            from .hybrid import replica_group_of
-
-            r.replica_group = replica_group_of(opt.process_group)
+        r.replica_group = _replica_group(opt.process_group)
     return r
+
+
+def _replica_group(group):
+    """The replica group when `group` is a shard group made by hybrid_groups() (the owned
+    sums are then all-reduced across the replicas), else None: a layout is hybrid because
+    of how its groups were made, not because the job is larger than the group (DDP may
+    well average over the same subgroup: the data-parallel groups of a pipeline layout)."""
+    from .hybrid import replica_group_of
+
+    if group is None:
+        return None
+    try:
+        return replica_group_of(group)
+    except ValueError:
+        return None
+
+
+def check_layout(reducer, bucket) -> None:
+    """Once per optimizer: DDP must average over the optimizer's own group, or over the
+    whole job when that is a hybrid_groups() shard group; else which ranks hold the same
+    elements is unknown and the averages would be wrong. The same on every rank."""
+    opt = reducer.opt()
+    if opt.process_group is None:
+        return
+    ddp = _ddp_holding(bucket.parameters()[0])
+    if ddp is not None:
+        theirs = dist.get_process_group_ranks(ddp.process_group)
+        ours = dist.get_process_group_ranks(opt.process_group)
+        expected = (list(range(dist.get_world_size())) if reducer.replica_group is not None
+                    else ours)
+        if sorted(theirs) != sorted(expected):
+            raise ValueError(
+                f"reduce_scatter_hook: DDP averages the grads over ranks {sorted(theirs)}, "
+                f"but the optimizer shards over ranks {sorted(ours)}"
+                + (" of a hybrid_groups() layout, which needs DDP over the whole job"
+                   if reducer.replica_group is not None else
+                   ", a group that zero_ext.hybrid_groups() did not make, so the ranks "
+                   "holding the same shard elsewhere are unknown")
+                + ". Build the optimizer over DDP's own process group, or the groups with "
+                "zero_ext.hybrid_groups() (DDP over the whole job, the optimizer over the "
+                "shard group)")
+    reducer.layout_checked = True
+
+
+def _ddp_holding(param):
+    """The DDP model holding `param` that runs this hook (None if not found): GradBucket
+    does not tell which DDP calls the hook, and so neither its process group. One scan of
+    the live objects, once per optimizer."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    found = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)
+             and any(q is param for q in o.module.parameters())]
+    hooked = [o for o in found if any(h is reduce_scatter_hook
+                                      for h, _ in getattr(o, "_comm_hooks", ()))]
+    found = hooked or found
+    groups = {tuple(sorted(dist.get_process_group_ranks(o.process_group))) for o in found}
+    return found[0] if len(groups) == 1 else None
 
 
 def param_index(opt) -> dict[int, int]:
@@ -421,6 +512,8 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
             "reduce_scatter_hook under a Join context (uneven inputs) is not supported: "
             "register DDP's default all-reduce for training with Join")
     reducer = reducer_of(opt)
+    if not reducer.layout_checked:
+        check_layout(reducer, bucket)
     bp = reducer.bucket_plan(bucket)
     if bp is None:  # (hybrid: DDP's group is the whole job)
         return _all_reduce(bucket, None if reducer.replica_group else opt.process_group)
@@ -435,14 +528,49 @@ def _all_reduce(bucket, group) -> torch.futures.Future:
     return work.get_future().then(lambda fut: (fut.wait(), buf)[1])
 
 
+def _reduced_for_another(opt, reducer) -> list[int]:
+    """Indices of `opt`'s params whose current grad the hook reduce-scattered for another
+    optimizer (the hook's state is an optimizer since replaced): each rank holds the
+    averaged grad only where that one's plan gave it the elements."""
+    if not _REDUCED_BY:
+        return []
+    out = []
+    for i, p in enumerate(opt._all_params):
+        g = p.grad
+        entry = None if g is None else _REDUCED_BY.get(p)
+        if entry is not None and entry[1]() is g and entry[0]() is not reducer:
+            out.append(i)
+    return out
+
+
 def check_grads(opt, scaler: bool, error: BaseException | None
                 ) -> tuple[bool, BaseException | None]:
     """At the start of `opt`'s step: whether the hook reduced its grads since the last
     step (the same on every rank: DDP ran the hook everywhere), and `error`, or an error
-    naming the grads changed after the hook when there is none yet."""
+    naming what makes those grads unusable when there is none yet: grads changed after the
+    hook, a second backward without no_sync, a partition changed since, or grads reduced
+    for another optimizer."""
     reducer = opt.__dict__.get("_grad_reducer")
+    foreign = _reduced_for_another(opt, reducer)
+    if foreign and error is None:
+        error = RuntimeError(
+            f"ZeroRedundancyOptimizer.step: the grads of params {_some(foreign)} were "
+            "reduce-scattered by zero_ext's reduce_scatter_hook for another "
+            "ZeroRedundancyOptimizer (the hook's state), whose partition decided which rank "
+            "holds which averaged elements; this optimizer would step partial grads. A DDP "
+            "model takes one comm hook: register it with state None "
+            "(`ddp.register_comm_hook(None, reduce_scatter_hook)`), and it follows the newest "
+            "optimizer over the params")
     if reducer is None or reducer.seen is None:
-        return False, error
+        return bool(foreign), error
+    moved = reducer.moved_ownership()
+    if moved and error is None:
+        error = RuntimeError(
+            f"ZeroRedundancyOptimizer.step: the partition of params {_some(moved)} changed "
+            "after zero_ext's reduce_scatter_hook reduced their grads (add_param_group "
+            "between backward and step re-partitions while no optimizer state exists), so "
+            "their new owners hold unreduced grads. Call add_param_group before the backward "
+            "or after the step; zero_grad() and a new backward continue from here")
     changed = reducer.changed_grads(scaler)
     if reducer.accumulated:
         reducer.accumulated = False
@@ -456,14 +584,18 @@ def check_grads(opt, scaler: bool, error: BaseException | None
                 "what saves DDP's bytes), or use DDP's default all-reduce")
     if changed and error is None:
         error = RuntimeError(
-            f"ZeroRedundancyOptimizer.step: the grads of params {changed[:8]}"
-            f"{'...' if len(changed) > 8 else ''} were changed after zero_ext's "
+            f"ZeroRedundancyOptimizer.step: the grads of params {_some(changed)} were "
+            "changed after zero_ext's "
             "reduce_scatter_hook reduced them. With that hook each rank's .grad holds the "
             "averaged grad only for the elements the rank owns, so torch.nn.utils."
             "clip_grad_norm_ (or any in-place change of the grads) computes from partial "
             "grads: use opt.clip_grad_norm_(max_norm), which returns the true global norm "
             "and clips inside the step (GradScaler works as usual)")
     return True, error
+
+
+def _some(ids: list[int]) -> str:
+    return f"{ids[:8]}{'...' if len(ids) > 8 else ''}"
 
 
 def checked_closure(opt, closure):

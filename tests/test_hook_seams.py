@@ -1,0 +1,222 @@
+"""reduce_scatter_hook at its seams with the rest of a training script: the partition
+changed between backward and step, DDP and the optimizer on one subgroup (pipeline x data
+parallel), an optimizer replaced mid-run while the hook keeps the old one as its state, and
+a second (plain) optimizer over params that share a DDP bucket with the hook's.
+
+Each flow runs a REAL DDP backward and is checked against plain DDP + torch optimizers fed
+the same per-rank batches (atol/rtol 1e-6), or must raise a clear error on every rank before
+anything is stepped.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import error_of, gloo_available, run_world
+from test_grad_reduce import HP, TOL, _batch, _groups, _Net, _same_everywhere
+
+pytestmark = pytest.mark.skipif(not gloo_available(), reason="needs torch.distributed with gloo")
+
+SMALL = 0.002  # bucket_cap_mb: several DDP buckets even for this small model
+
+
+def _step_loss(ddp, rank, it):
+    return ddp(_batch(rank, it)).square().mean()
+
+
+# ------------------------------------------------------------------ the plan changes
+
+def _plan_changes(rank, world, sharding):
+    """add_param_group between backward and step, before any state (SGD without momentum
+    keeps none): the fresh partition would give elements reduced to one rank to another,
+    which holds only its local grad."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    def body(net):
+        return [p for n, p in net.named_parameters() if not n.startswith("emb")]
+
+    net = _Net()
+    ddp, ref = DDP(net, bucket_cap_mb=SMALL), DDP(_Net(), bucket_cap_mb=SMALL)
+    opt = ZeroRedundancyOptimizer(body(net), torch.optim.SGD, sharding=sharding, lr=0.1)
+    o_ref = torch.optim.SGD(body(ref.module), lr=0.1)
+    ddp.register_comm_hook(opt, reduce_scatter_hook)
+    err, untouched = None, None
+    for it in range(4):
+        if it == 1:  # (DDP's buckets are rebuilt: small ones, reduce-scattered, from here)
+            _step_loss(ddp, rank, it).backward()
+            opt.add_param_group({"params": list(net.emb.parameters())})
+            o_ref.add_param_group({"params": list(ref.module.emb.parameters())})
+            before = [p.detach().clone() for p in net.parameters()]
+            err = error_of(opt.step)
+            untouched = all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+            net.zero_grad()  # the script goes on with a fresh backward
+            if err is not None:
+                continue
+            # no reduced element changed owner (the same on every rank): a normal step
+            _step_loss(ref, rank, it).backward()
+            o_ref.step()
+            ref.module.zero_grad()
+            continue
+        for d, o in ((ddp, opt), (ref, o_ref)):
+            _step_loss(d, rank, it).backward()
+            o.step()
+            d.module.zero_grad()  # (the params not in the optimizer yet too)
+        for a, b in zip(ref.module.parameters(), net.parameters()):
+            torch.testing.assert_close(b.detach(), a.detach(), **TOL,
+                                       msg=lambda m, it=it: f"iteration {it}: {m}")
+    return err, untouched
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_partition_changed_after_the_hook_raises_on_every_rank(world):
+    """Flat mode: the new group enlarges every rank's range, so reduced elements move."""
+    for err, untouched in run_world(_plan_changes, world, "flat"):
+        assert err is not None and err[0] == "RuntimeError", err
+        assert "add_param_group" in err[1] and "partition" in err[1], err
+        assert untouched
+
+
+def test_partition_kept_for_the_reduced_params_is_a_normal_step():
+    """Param mode here keeps every reduced param on its owner: no error, exact steps."""
+    for err, _ in run_world(_plan_changes, 2, "param"):
+        assert err is None, err
+
+
+# ------------------------------------------------------------------ subgroups
+
+def _subgroup(rank, world, how):
+    """World 4 as two independent data-parallel groups {0,1} and {2,3} (the data-parallel
+    dimension of a pipeline layout): DDP and the optimizer on the same subgroup."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = halves[rank // 2]
+    ddp_group = mine if how == "same" else None  # "world": DDP over the whole job
+    net = _Net()
+    ddp = DDP(net, bucket_cap_mb=SMALL, process_group=ddp_group)
+    opt = ZeroRedundancyOptimizer(_groups(net), torch.optim.AdamW, process_group=mine,
+                                  sharding="flat", **HP)
+    ddp.register_comm_hook(opt, reduce_scatter_hook)
+    if how != "same":
+        return error_of(lambda: _step_loss(ddp, rank, 0).backward())
+    ref = DDP(_Net(), bucket_cap_mb=SMALL, process_group=mine)
+    o_ref = torch.optim.AdamW(_groups(ref.module), **HP)
+    for it in range(3):
+        for d, o in ((ddp, opt), (ref, o_ref)):
+            _step_loss(d, rank, it).backward()
+            o.step()
+            o.zero_grad()
+        for a, b in zip(ref.module.parameters(), net.parameters()):
+            torch.testing.assert_close(b.detach(), a.detach(), **TOL)
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def test_ddp_and_optimizer_on_one_subgroup():
+    out = run_world(_subgroup, 4, "same")
+    _same_everywhere(out[:2])
+    _same_everywhere(out[2:])
+
+
+def test_optimizer_subgroup_under_a_whole_job_ddp_is_an_error():
+    """Not a hybrid_groups() layout: DDP averages over the job, the optimizer knows only
+    its subgroup, so the ranks holding the same shard elsewhere are unknown."""
+    for err in run_world(_subgroup, 4, "world"):
+        assert err is not None and err[0] == "ValueError", err
+        assert "hybrid_groups()" in err[1] and "[0, 1, 2, 3]" in err[1], err
+
+
+# ------------------------------------------------------------------ a replaced optimizer
+
+def _replaced(rank, world, state_none):
+    """The hook was registered with one optimizer; mid-run the script builds another (other
+    sharding mode) and loads the first one's state into it. DDP takes no second hook."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    net = _Net()
+    ddp = DDP(net, bucket_cap_mb=SMALL)
+    old = ZeroRedundancyOptimizer(_groups(net), torch.optim.AdamW, sharding="param", **HP)
+    ddp.register_comm_hook(None if state_none else old, reduce_scatter_hook)
+    ref = DDP(_Net(), bucket_cap_mb=SMALL)
+    o_ref = torch.optim.AdamW(_groups(ref.module), **HP)
+    opt = old
+    for it in range(4):
+        if it == 2:
+            opt = ZeroRedundancyOptimizer(_groups(net), torch.optim.AdamW, sharding="flat",
+                                          **HP)
+            opt.load_state_dict(old.state_dict())
+        _step_loss(ddp, rank, it).backward()
+        before = [p.detach().clone() for p in net.parameters()]
+        err = error_of(opt.step)
+        if err is not None:
+            return err, all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+        opt.zero_grad()
+        _step_loss(ref, rank, it).backward()
+        o_ref.step()
+        o_ref.zero_grad()
+        for a, b in zip(ref.module.parameters(), net.parameters()):
+            torch.testing.assert_close(b.detach(), a.detach(), **TOL)
+    return None, True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_replaced_optimizer_is_an_error_on_every_rank(world):
+    for err, untouched in run_world(_replaced, world, False):
+        assert err is not None and err[0] == "RuntimeError", err
+        assert "another ZeroRedundancyOptimizer" in err[1] and "None" in err[1], err
+        assert untouched
+
+
+def test_replaced_optimizer_with_state_none_follows_the_new_one():
+    for err, _ in run_world(_replaced, 2, True):
+        assert err is None, err
+
+
+# ------------------------------------------------------------------ a second optimizer
+
+def _second_optimizer(rank, world):
+    """A plain SGD over the head (sharing a DDP bucket, so a version counter under
+    gradient_as_bucket_view, with other params) and zero_ext over the rest; the SGD steps
+    and zeroes its grads in place first. That bucket was all-reduced: nothing to flag."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    def split(net):
+        head = list(net.head.parameters()) + list(net.norm.parameters())
+        ids = {id(p) for p in head}
+        return head, [p for p in net.parameters() if id(p) not in ids]
+
+    net, ref_net = _Net(), _Net()
+    ddp = DDP(net, bucket_cap_mb=SMALL, gradient_as_bucket_view=True)
+    ref = DDP(ref_net, bucket_cap_mb=SMALL, gradient_as_bucket_view=True)
+    head, body = split(net)
+    r_head, r_body = split(ref_net)
+    sgd, zero = torch.optim.SGD(head, lr=0.1), ZeroRedundancyOptimizer(
+        body, torch.optim.AdamW, sharding="flat", **HP)
+    ddp.register_comm_hook(zero, reduce_scatter_hook)
+    r_sgd, r_adamw = torch.optim.SGD(r_head, lr=0.1), torch.optim.AdamW(r_body, **HP)
+    for it in range(3):
+        for d, opts in ((ddp, (sgd, zero)), (ref, (r_sgd, r_adamw))):
+            _step_loss(d, rank, it).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad(set_to_none=False)
+        for a, b in zip(ref_net.parameters(), net.parameters()):
+            torch.testing.assert_close(b.detach(), a.detach(), **TOL)
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_second_optimizer_over_a_shared_bucket(world):
+    _same_everywhere(run_world(_second_optimizer, world))

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import layout
 from .sync import wire_view
@@ -74,6 +73,7 @@ class GradReducer:
 
     def __init__(self, opt):
         self.opt = weakref.ref(opt)
+        _REDUCERS.add(self)
         self.buckets: dict[int, _BucketPlan] = {}
         # (token, plan, its bucket list, its length, {param_id: [(rank, start, length)]})
         self._owned: tuple | None = None
@@ -89,6 +89,7 @@ class GradReducer:
         self.seen: list | None = None
         self.reduced_ids: set[int] = set()  # params reduce-scattered in this backward
         self.reduced_under: tuple | None = None  # the ownership map (self._owned) used
+        self.seen_grads: set[int] = set()  # ids of the grads in `seen`
         self.layout_checked = False
 
     # -------------------------------------------------------------- ownership
@@ -290,7 +291,8 @@ class GradReducer:
                 g = params[i].grad
                 if g is not None:
                     seen[i] = (g, g._version)
-                    _REDUCED_BY[params[i]] = (weakref.ref(self), weakref.ref(g))
+            # (ids stay valid while `seen` holds the grads)
+            self.seen_grads = {id(s[0]) for s in seen if s is not None}
 
     def moved_ownership(self) -> list[int]:
         """Indices of reduced params whose owners changed since the reduction (a new
@@ -337,9 +339,9 @@ class GradReducer:
         return out
 
 
-# param -> (weakref to the GradReducer that last reduce-scattered its grad, weakref to that
-# grad): an optimizer stepping a grad reduced under another optimizer's plan is an error
-_REDUCED_BY = WeakIdKeyDictionary()
+# every GradReducer alive: an optimizer stepping grads that another one's plan cut (their
+# `seen`) is an error
+_REDUCERS: "weakref.WeakSet" = weakref.WeakSet()
 
 _SCALER_BUMPS: dict = {}
 
@@ -532,15 +534,14 @@ def _reduced_for_another(opt, reducer) -> list[int]:
     """Indices of `opt`'s params whose current grad the hook reduce-scattered for another
     optimizer (the hook's state is an optimizer since replaced): each rank holds the
     averaged grad only where that one's plan gave it the elements."""
-    if not _REDUCED_BY:
+    cut = set()
+    for other in list(_REDUCERS):  # (mostly none but this optimizer's own)
+        if other is not reducer and other.seen is not None:
+            cut |= other.seen_grads
+    if not cut:
         return []
-    out = []
-    for i, p in enumerate(opt._all_params):
-        g = p.grad
-        entry = None if g is None else _REDUCED_BY.get(p)
-        if entry is not None and entry[1]() is g and entry[0]() is not reducer:
-            out.append(i)
-    return out
+    return [i for i, p in enumerate(opt._all_params)
+            if p.grad is not None and id(p.grad) in cut]
 
 
 def check_grads(opt, scaler: bool, error: BaseException | None

@@ -124,6 +124,38 @@ def test_ddp_and_optimizer_on_one_subgroup():
     _same_everywhere(out[2:])
 
 
+def _hybrid_shard_group_as_ddp_group(rank, world):
+    """A group that hybrid_groups() made, used as DDP's own group too: no replicas to
+    average over (DDP averages over the same ranks as the optimizer shards)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer, hybrid_groups
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    shard, _ = hybrid_groups(shard_size=2)
+    net = _Net()
+    ddp = DDP(net, bucket_cap_mb=SMALL, process_group=shard)
+    opt = ZeroRedundancyOptimizer(_groups(net), torch.optim.AdamW, process_group=shard,
+                                  sharding="param", **HP)
+    ddp.register_comm_hook(opt, reduce_scatter_hook)
+    ref = DDP(_Net(), bucket_cap_mb=SMALL, process_group=shard)
+    o_ref = torch.optim.AdamW(_groups(ref.module), **HP)
+    for it in range(3):
+        for d, o in ((ddp, opt), (ref, o_ref)):
+            _step_loss(d, rank, it).backward()
+            o.step()
+            o.zero_grad()
+        for a, b in zip(ref.module.parameters(), net.parameters()):
+            torch.testing.assert_close(b.detach(), a.detach(), **TOL)
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def test_ddp_on_a_hybrid_shard_group_itself():
+    out = run_world(_hybrid_shard_group_as_ddp_group, 4)
+    _same_everywhere(out[:2])
+    _same_everywhere(out[2:])
+
+
 def test_optimizer_subgroup_under_a_whole_job_ddp_is_an_error():
     """Not a hybrid_groups() layout: DDP averages over the job, the optimizer knows only
     its subgroup, so the ranks holding the same shard elsewhere are unknown."""
@@ -179,6 +211,40 @@ def test_replaced_optimizer_is_an_error_on_every_rank(world):
 def test_replaced_optimizer_with_state_none_follows_the_new_one():
     for err, _ in run_world(_replaced, 2, True):
         assert err is None, err
+
+
+def _replaced_between(rank, world):
+    """state None, the optimizer replaced between backward and step, the old one dropped:
+    that backward's grads were cut by the old plan, whatever has become of it."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    net = _Net()
+    ddp = DDP(net, bucket_cap_mb=SMALL)
+    opt = ZeroRedundancyOptimizer(_groups(net), torch.optim.AdamW, sharding="param", **HP)
+    ddp.register_comm_hook(None, reduce_scatter_hook)
+    for it in range(2):
+        _step_loss(ddp, rank, it).backward()
+        opt.step()
+        opt.zero_grad()
+    _step_loss(ddp, rank, 2).backward()
+    new = ZeroRedundancyOptimizer(_groups(net), torch.optim.AdamW, sharding="flat", **HP)
+    new.load_state_dict(opt.state_dict())
+    del opt
+    gc.collect()
+    before = [p.detach().clone() for p in net.parameters()]
+    err = error_of(new.step)
+    return err, all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+def test_optimizer_replaced_between_backward_and_step_is_an_error():
+    for err, untouched in run_world(_replaced_between, 2):
+        assert err is not None and "another ZeroRedundancyOptimizer" in err[1], err
+        assert untouched
 
 
 # ------------------------------------------------------------------ a second optimizer

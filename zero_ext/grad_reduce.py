@@ -73,7 +73,6 @@ class GradReducer:
 
     def __init__(self, opt):
         self.opt = weakref.ref(opt)
-        _REDUCERS.add(self)
         self.buckets: dict[int, _BucketPlan] = {}
         # (token, plan, its bucket list, its length, {param_id: [(rank, start, length)]})
         self._owned: tuple | None = None
@@ -84,12 +83,13 @@ class GradReducer:
         self.in_flight: dict = {}  # lane -> its all_to_all not waited for yet
         self.accumulated = False  # a backward ran onto reduced grads
         self._watched = 0         # params whose incoming grads are watched
-        # (grad, version) per param once DDP wrote them; None for params in buckets that
-        # were all-reduced (their grads are whole: anything may read or change them)
+        # (weakref to the grad, its version) per param once DDP wrote them (weak: a grad
+        # dropped by zero_grad is freed); None for params in buckets that were all-reduced
+        # (their grads are whole: anything may read or change them)
         self.seen: list | None = None
+        self.cut: _Cut | None = None  # the tag of the grads this backward reduced
         self.reduced_ids: set[int] = set()  # params reduce-scattered in this backward
         self.reduced_under: tuple | None = None  # the ownership map (self._owned) used
-        self.seen_grads: set[int] = set()  # ids of the grads in `seen`
         self.layout_checked = False
 
     # -------------------------------------------------------------- ownership
@@ -281,18 +281,20 @@ class GradReducer:
                 params[i].register_hook(functools.partial(_incoming_grad, me, i))
         self._watched = len(params)
 
+    @torch._disable_dynamo
     def _record(self) -> None:
         self._armed = False
         opt = self.opt()
         if opt is not None:
             params = opt._all_params
             self.seen = seen = [None] * len(params)
+            self.cut = cut = _Cut(self)
+            _Cut.made = True
             for i in self.reduced_ids:
                 g = params[i].grad
                 if g is not None:
-                    seen[i] = (g, g._version)
-            # (ids stay valid while `seen` holds the grads)
-            self.seen_grads = {id(s[0]) for s in seen if s is not None}
+                    seen[i] = (weakref.ref(g), g._version)
+                    g._zero_ext_cut = cut
 
     def moved_ownership(self) -> list[int]:
         """Indices of reduced params whose owners changed since the reduction (a new
@@ -314,6 +316,7 @@ class GradReducer:
         seen, self.seen = self.seen, None
         if seen is None:
             return []
+        self.cut.consumed = True
         params = self.opt()._all_params
         # A grad's version counter is shared by every grad viewing one buffer (DDP's
         # gradient_as_bucket_view); GradScaler's pass (its inf check in step(), or
@@ -327,11 +330,10 @@ class GradReducer:
         out = []
         for i, (p, s) in enumerate(zip(params, seen)):
             g = p.grad
-            if s is None:
-                continue  # not reduce-scattered: a whole grad, free to change
-            if g is not s[0]:
-                if g is not None:  # (a grad dropped since: the step skips that param)
-                    out.append(i)
+            if s is None or g is None:
+                continue  # not reduce-scattered (a whole grad), or dropped (not stepped)
+            if g is not s[0]():
+                out.append(i)  # replaced
                 continue
             bumped = g._version - s[1]
             if bumped and bumped != allowed.get(_counter_key(g)):
@@ -339,9 +341,18 @@ class GradReducer:
         return out
 
 
-# every GradReducer alive: an optimizer stepping grads that another one's plan cut (their
-# `seen`) is an error
-_REDUCERS: "weakref.WeakSet" = weakref.WeakSet()
+class _Cut:
+    """One backward's reduce-scatter, tagged onto every grad it wrote (`._zero_ext_cut`):
+    whose plan decided which rank holds which averaged elements, and whether that
+    optimizer's step has read them. On the grads, not in a registry, so that every rank
+    sees the same tags whether or not the old optimizer is still alive."""
+
+    __slots__ = ("reducer", "consumed")
+    made = False  # any in this process: else no grad needs looking at
+
+    def __init__(self, reducer):
+        self.reducer = weakref.ref(reducer)
+        self.consumed = False
 
 _SCALER_BUMPS: dict = {}
 
@@ -358,6 +369,7 @@ def _scaler_bumps_versions(device: torch.device) -> bool:
     return _SCALER_BUMPS[device.type]
 
 
+@torch._disable_dynamo
 def _incoming_grad(reducer_ref, i: int, grad):
     """Tensor hook of param i (see GradReducer._watch_accumulation): runs before autograd
     adds `grad` to the param's .grad."""
@@ -365,7 +377,7 @@ def _incoming_grad(reducer_ref, i: int, grad):
     if r is not None and r.seen is not None and r.seen[i] is not None:
         opt = r.opt()
         g = None if opt is None else opt._all_params[i].grad
-        if g is r.seen[i][0] and g._version == r.seen[i][1]:
+        if g is not None and g is r.seen[i][0]() and g._version == r.seen[i][1]:
             r.accumulated = True
     return None
 
@@ -430,23 +442,24 @@ def _replica_group(group):
 
 
 def check_layout(reducer, bucket) -> None:
-    """Once per optimizer: DDP must average over the optimizer's own group, or over the
-    whole job when that is a hybrid_groups() shard group; else which ranks hold the same
-    elements is unknown and the averages would be wrong. The same on every rank."""
+    """Once per optimizer, before its first reduction: DDP must average over the
+    optimizer's own group (then no replicas, whoever made the group), or over the whole job
+    when that is a hybrid_groups() shard group (then the owned sums are all-reduced across
+    its replica group); else which ranks hold the same elements is unknown and the averages
+    would be wrong. The same on every rank."""
     opt = reducer.opt()
-    if opt.process_group is None:
-        return
-    ddp = _ddp_holding(bucket.parameters()[0])
+    ddp = None if opt.process_group is None else _ddp_holding(bucket.parameters()[0])
     if ddp is not None:
-        theirs = dist.get_process_group_ranks(ddp.process_group)
-        ours = dist.get_process_group_ranks(opt.process_group)
-        expected = (list(range(dist.get_world_size())) if reducer.replica_group is not None
-                    else ours)
-        if sorted(theirs) != sorted(expected):
+        theirs = sorted(dist.get_process_group_ranks(ddp.process_group))
+        ours = sorted(dist.get_process_group_ranks(opt.process_group))
+        if theirs == ours:
+            reducer.replica_group = None
+        elif reducer.replica_group is None or theirs != list(range(dist.get_world_size())):
             raise ValueError(
-                f"reduce_scatter_hook: DDP averages the grads over ranks {sorted(theirs)}, "
-                f"but the optimizer shards over ranks {sorted(ours)}"
-                + (" of a hybrid_groups() layout, which needs DDP over the whole job"
+                f"reduce_scatter_hook: DDP averages the grads over ranks {theirs}, "
+                f"but the optimizer shards over ranks {ours}"
+                + (" of a hybrid_groups() layout, which needs DDP over the whole job or "
+                   "over the shard group itself"
                    if reducer.replica_group is not None else
                    ", a group that zero_ext.hybrid_groups() did not make, so the ranks "
                    "holding the same shard elsewhere are unknown")
@@ -464,7 +477,9 @@ def _ddp_holding(param):
 
     from torch.nn.parallel import DistributedDataParallel
 
-    found = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)
+    gc.collect()  # a dead DDP of an earlier wrap in a cycle: gone alike on every rank
+    # (issubclass of the type: isinstance would ask a dead weakref.proxy, which raises)
+    found = [o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel)
              and any(q is param for q in o.module.parameters())]
     hooked = [o for o in found if any(h is reduce_scatter_hook
                                       for h, _ in getattr(o, "_comm_hooks", ()))]
@@ -499,6 +514,7 @@ def _owner_of(bucket, state: Any):
     return None
 
 
+@torch._disable_dynamo  # a backward inside a compiled function: collective, data-dependent
 def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
                         ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: each grad goes, summed and averaged, only to the rank that owns its
@@ -534,14 +550,15 @@ def _reduced_for_another(opt, reducer) -> list[int]:
     """Indices of `opt`'s params whose current grad the hook reduce-scattered for another
     optimizer (the hook's state is an optimizer since replaced): each rank holds the
     averaged grad only where that one's plan gave it the elements."""
-    cut = set()
-    for other in list(_REDUCERS):  # (mostly none but this optimizer's own)
-        if other is not reducer and other.seen is not None:
-            cut |= other.seen_grads
-    if not cut:
+    if not _Cut.made:
         return []
-    return [i for i, p in enumerate(opt._all_params)
-            if p.grad is not None and id(p.grad) in cut]
+    out = []
+    for i, p in enumerate(opt._all_params):
+        cut = None if p.grad is None else getattr(p.grad, "_zero_ext_cut", None)
+        if cut is not None and not cut.consumed and (reducer is None
+                                                      or cut.reducer() is not reducer):
+            out.append(i)
+    return out
 
 
 def check_grads(opt, scaler: bool, error: BaseException | None
@@ -557,11 +574,13 @@ def check_grads(opt, scaler: bool, error: BaseException | None
         error = RuntimeError(
             f"ZeroRedundancyOptimizer.step: the grads of params {_some(foreign)} were "
             "reduce-scattered by zero_ext's reduce_scatter_hook for another "
-            "ZeroRedundancyOptimizer (the hook's state), whose partition decided which rank "
-            "holds which averaged elements; this optimizer would step partial grads. A DDP "
-            "model takes one comm hook: register it with state None "
-            "(`ddp.register_comm_hook(None, reduce_scatter_hook)`), and it follows the newest "
-            "optimizer over the params")
+            "ZeroRedundancyOptimizer, whose partition decided which rank holds which "
+            "averaged elements; this optimizer would step partial grads. A DDP model takes "
+            "one comm hook: register it with state None "
+            "(`ddp.register_comm_hook(None, reduce_scatter_hook)`) so that it follows the "
+            "newest optimizer over the params, and build a replacement optimizer before the "
+            "backward whose grads it steps (zero_grad() and a new backward continue from "
+            "here)")
     if reducer is None or reducer.seen is None:
         return bool(foreign), error
     moved = reducer.moved_ownership()

@@ -148,6 +148,166 @@ for _opt, _il, _gabv in (("SGD", False, False), ("AdamW", True, True)):
               sharding="param", bv=False, strided=True)
 
 
+# ------------------------------------------------------------------ issue 23: seams
+
+
+def _named(name, body, min_world=1, **kw):
+    """Scenario `name`: body(ctx, **kw), picklable by name (as _register's)."""
+    def fn(ctx):
+        return body(ctx, **kw)
+    fn.__name__ = fn.__qualname__ = name
+    globals()[name] = fn
+    SC.scenario(min_world=min_world)(fn)
+    return name
+
+
+def _error(a, b):
+    return max(((p - q).abs() - RTOL * q.abs()).max().item()
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _lockstep(ctx, ddp_overlap, zero, ddp_local, local, warmup, before=None, after=None):
+    """The warm-up on the overlap model alone (nothing is updated), then ITERS iterations of
+    both models on the same inputs; the error after each (the file's atol/rtol measure).
+    `before(i)` / `after(i)` run around iteration i on both sides alike."""
+    gen = torch.Generator().manual_seed(1000 + ctx.rank)
+    inputs = [torch.randn(5, 12, generator=gen) for _ in range(warmup + ITERS)]
+    for x in inputs[:warmup]:
+        ddp_overlap(x).square().sum().backward()
+    errors = []
+    for i, x in enumerate(inputs[warmup:]):
+        if before is not None:
+            before(i)
+        # the module's zero_grad: params outside the optimizer too (DDP reduces them all)
+        ddp_overlap.zero_grad()
+        ddp_overlap(x).square().sum().backward()
+        zero.step()
+        ddp_local.zero_grad()
+        ddp_local(x).square().sum().backward()
+        local.step()
+        if after is not None:
+            after(i)
+        errors.append(_error(ddp_overlap, ddp_local))
+    return errors
+
+
+class _Branches(torch.nn.Module):
+    """The trunk, a branch no rank uses (DDP leaves its grads None: torch never steps it)
+    and one only rank 0 uses (DDP averages its grads into every rank: all step it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = _model()
+        self.never = torch.nn.Linear(12, 3)
+        self.rank0 = torch.nn.Linear(12, 3)
+        self.use_rank0 = True
+
+    def forward(self, x):
+        y = self.trunk(x)
+        return y + self.rank0(x) if self.use_rank0 else y
+
+
+def _unused_parity(ctx, opt_name, interleaved, sharding, find_unused):
+    from zero_ext import ZeroRedundancyOptimizer
+
+    cls, kw = getattr(torch.optim, opt_name), KW[opt_name]
+    model = _Branches()
+    model.use_rank0 = ctx.rank == 0
+    ddp_overlap, ddp_local = (_ddp(model, ctx, False, True, find_unused_parameters=find_unused)
+                              for _ in range(2))
+    zero = ZeroRedundancyOptimizer(list(ddp_overlap.parameters()), cls, process_group=ctx.pg,
+                                   overlap_with_ddp=True, sharding=sharding, **kw)
+    ddp_overlap.register_comm_hook(ctx.pg, _hook_ctor(interleaved)(allreduce_hook, ddp_overlap,
+                                                                   zero))
+    local = cls(list(ddp_local.parameters()), **kw)
+    never = [p.detach().clone() for p in ddp_overlap.module.never.parameters()]
+    errors = _lockstep(ctx, ddp_overlap, zero, ddp_local, local, warmup=3)
+    sd = zero.state_dict()  # collective: the full state on rank 0
+
+    def steps(state):  # which params have state, and their step counters
+        return {k: float(v.get("step", -1)) for k, v in state.items()}
+
+    return {"errors": errors, "params": [p.detach().clone() for p in ddp_overlap.parameters()],
+            "never_moved": not all(torch.equal(p, q) for p, q in
+                                   zip(ddp_overlap.module.never.parameters(), never)),
+            "state": steps(sd["state"]) if ctx.rank == 0 else None,
+            "torch_state": steps(local.state_dict()["state"])}
+
+
+UNUSED = []
+for _i, (_opt, _il, _fu) in enumerate(itertools.product(("AdamW", "SGD"), (False, True),
+                                                        (True, False))):
+    _name = f"unused_{_opt}_{'interleaved' if _il else 'hook'}_find{int(_fu)}"
+    UNUSED.append(_named(_name, _unused_parity, opt_name=_opt, interleaved=_il,
+                         sharding=("param", "flat")[_i % 2], find_unused=_fu))
+
+
+def _added_group_parity(ctx, opt_name, interleaved, sharding, add_at):
+    """The optimizer starts with the first two layers of the DDP model and gets the rest by
+    add_param_group at stepping iteration `add_at` (0: before any state; 1: with state)."""
+    from zero_ext import ZeroRedundancyOptimizer
+
+    cls, kw = getattr(torch.optim, opt_name), KW[opt_name]
+    model = _model()
+    ddp_overlap, ddp_local = _ddp(model, ctx, False, False), _ddp(model, ctx, False, False)
+    zero = ZeroRedundancyOptimizer(list(ddp_overlap.parameters())[:4], cls, process_group=ctx.pg,
+                                   overlap_with_ddp=True, sharding=sharding, **kw)
+    ddp_overlap.register_comm_hook(ctx.pg, _hook_ctor(interleaved)(allreduce_hook, ddp_overlap,
+                                                                   zero))
+    local = cls(list(ddp_local.parameters())[:4], **kw)
+
+    def before(i):
+        if i == add_at:
+            for opt, ddp in ((zero, ddp_overlap), (local, ddp_local)):
+                opt.add_param_group({"params": list(ddp.parameters())[4:], "lr": 0.02})
+
+    errors = _lockstep(ctx, ddp_overlap, zero, ddp_local, local, warmup=2, before=before)
+    return {"errors": errors, "params": [p.detach().clone() for p in ddp_overlap.parameters()]}
+
+
+ADDED = []
+for _opt, _il, _mode, _at in (("AdamW", False, "param", 0), ("AdamW", True, "flat", 1),
+                              ("SGD", False, "flat", 1), ("SGD", True, "param", 0)):
+    _name = f"added_group_{_opt}_{'interleaved' if _il else 'hook'}_{_mode}_at{_at}"
+    ADDED.append(_named(_name, _added_group_parity, opt_name=_opt, interleaved=_il,
+                        sharding=_mode, add_at=_at))
+
+
+def _scheduled_parity(ctx, opt_name, interleaved, sharding):
+    """An lr scheduler on the zero_ext optimizer, stepped after every iteration as in a
+    training loop: each new lr must reach the local optimizer's next step."""
+    from zero_ext import ZeroRedundancyOptimizer
+
+    cls, kw = getattr(torch.optim, opt_name), KW[opt_name]
+    model = _model()
+    ddp_overlap, ddp_local = _ddp(model, ctx, False, False), _ddp(model, ctx, False, False)
+    zero = ZeroRedundancyOptimizer(_groups(list(ddp_overlap.parameters()), True), cls,
+                                   process_group=ctx.pg, overlap_with_ddp=True,
+                                   sharding=sharding, **kw)
+    ddp_overlap.register_comm_hook(ctx.pg, _hook_ctor(interleaved)(allreduce_hook, ddp_overlap,
+                                                                   zero))
+    local = cls(_groups(list(ddp_local.parameters()), True), **kw)
+    lambdas = [lambda i: 0.5 ** i, lambda i: 1.0 + i]  # one per group, both move every step
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambdas) for o in (zero, local)]
+    lrs = []
+
+    def after(i):
+        for s in scheds:
+            s.step()
+        lrs.append(([g["lr"] for g in zero.param_groups], [g["lr"] for g in local.param_groups]))
+
+    errors = _lockstep(ctx, ddp_overlap, zero, ddp_local, local, warmup=2, after=after)
+    return {"errors": errors, "lrs": lrs,
+            "params": [p.detach().clone() for p in ddp_overlap.parameters()]}
+
+
+SCHEDULED = []
+for _opt, _il, _mode in (("AdamW", False, "flat"), ("SGD", True, "param")):
+    _name = f"scheduled_{_opt}_{'interleaved' if _il else 'hook'}_{_mode}"
+    SCHEDULED.append(_named(_name, _scheduled_parity, opt_name=_opt, interleaved=_il,
+                            sharding=_mode))
+
+
 # ------------------------------------------------------------------ clear errors
 
 
@@ -238,6 +398,36 @@ def err_local_step_raises_on_last_rank(ctx):
         ddp(torch.randn(2, 12)).sum().backward()
 
 
+def _lr_differs_on_last_rank(ctx, interleaved):
+    """After the warm-up, the last rank alone changes its lr: every rank's backward raises."""
+    ddp = _ddp(_model(), ctx, False, False)
+    zero = _zero(ddp.parameters(), ctx, overlap_with_ddp=True)
+    ddp.register_comm_hook(ctx.pg, _hook_ctor(interleaved)(allreduce_hook, ddp, zero))
+    for i in range(4):  # 0: warm-up, 1: recording, 2: the first step
+        if i == 2 and ctx.rank == ctx.world_size - 1:
+            zero.param_groups[0]["lr"] = 0.02
+        zero.zero_grad()
+        ddp(torch.randn(2, 12)).sum().backward()
+
+
+for _il in (False, True):
+    _named(f"err_lr_differs_{'interleaved' if _il else 'hook'}", _lr_differs_on_last_rank,
+           min_world=2, interleaved=_il)
+
+
+@SC.scenario()
+def err_added_params_not_in_ddp(ctx):
+    """add_param_group after the warm-up with a param DDP does not reduce: never a grad."""
+    ddp = _ddp(_model(), ctx, False, False)
+    zero = _zero(ddp.parameters(), ctx, overlap_with_ddp=True)
+    ddp.register_comm_hook(ctx.pg, _hook_ctor(False)(allreduce_hook, ddp, zero))
+    for i in range(3):  # 0: warm-up, 1: recording, 2: the first step
+        if i == 2:
+            zero.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        zero.zero_grad()
+        ddp(torch.randn(2, 12)).sum().backward()
+
+
 # ------------------------------------------------------------------ tests
 
 
@@ -312,3 +502,45 @@ def test_local_step_failure_reaches_every_rank(world):
     assert_raised(outs[last], RuntimeError, "broken local step")
     for o in outs[:last]:
         assert_raised(o, RuntimeError, f"rank {last} failed")
+
+
+def _check_parity(vals):
+    for r, v in enumerate(vals):
+        assert max(v["errors"]) <= ATOL, f"rank {r}: off by {v['errors']}"
+    assert_same_on_every_rank([v["params"] for v in vals])
+
+
+@pytest.mark.parametrize("name", UNUSED)
+def test_unused_params_are_not_stepped(world, name):
+    """static_graph (+ find_unused_parameters): a param no rank uses keeps its values and
+    gets no state, as with torch's optimizer; one only rank 0 uses steps everywhere."""
+    vals = world.values(name)
+    _check_parity(vals)
+    for r, v in enumerate(vals):
+        assert not v["never_moved"], f"rank {r}: the unused branch was stepped"
+    assert vals[0]["state"] == vals[0]["torch_state"]
+
+
+@pytest.mark.parametrize("name", ADDED)
+def test_add_param_group_after_warmup(world, name):
+    _check_parity(world.values(name))
+
+
+def test_added_params_not_in_ddp(world):
+    _all_raise(world, "err_added_params_not_in_ddp", ValueError, "none of this DDP model's")
+
+
+@pytest.mark.parametrize("name", SCHEDULED)
+def test_scheduler_reaches_the_step(world, name):
+    vals = world.values(name)
+    _check_parity(vals)
+    for v in vals:
+        assert all(a == b for a, b in v["lrs"]) and v["lrs"][0] != v["lrs"][-1]
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["hook", "interleaved"])
+def test_lr_differing_on_one_rank_raises_everywhere(world, interleaved):
+    if world.world_size == 1:
+        pytest.skip("needs two ranks")
+    _all_raise(world, f"err_lr_differs_{'interleaved' if interleaved else 'hook'}",
+               RuntimeError, "different hyperparameters")

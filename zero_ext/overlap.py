@@ -3,11 +3,13 @@ hooks of ``zero_ext.ddp_zero_hook``.
 
 torch's semantics, kept: while DDP has not finalised its buckets (it rebuilds them in the
 second forward, the third with ``static_graph``), iterations only all-reduce and nothing is
-stepped; the first iteration after the rebuild records which params each DDP bucket holds,
-still without a step; from the next one on, each rank steps its share of every bucket with
-the bucket's averaged grads, inside ``loss.backward()``, and the user's ``step()`` does
-nothing. So a script gets 2 (3 with ``static_graph``) iterations without updates, exactly
-as with torch's hooks.
+stepped; the first iteration after the rebuild records which params each DDP bucket holds
+and which of them some rank used (one small all-reduce), still without a step; from the next
+one on, each rank steps its share of every bucket with the bucket's averaged grads, inside
+``loss.backward()``, and the user's ``step()`` does nothing. A param no rank used (with
+``static_graph`` DDP fixes that set from its first iteration and leaves their ``.grad``
+None) is not stepped unless it holds a grad, as torch's optimizer does. So a script gets 2
+(3 with ``static_graph``) iterations without updates, exactly as with torch's hooks.
 
 What differs from torch's: the partition is the optimizer's own (``sharding`` "param" or
 "flat", balanced over all params, any number of param groups) instead of one re-cut along
@@ -183,8 +185,12 @@ class BucketStepper:
         self.zero = zero
         self.ddp = weakref.ref(ddp)
         self.interleaved = interleaved
-        self.recording: list[list[torch.Tensor]] | None = None  # params per bucket
-        self.bucket_ids: list[list[int | None]] | None = None  # zero's index of each
+        # Per DDP bucket, from the recording iteration: its params, and whether any rank gave
+        # each a grad (with static_graph DDP fixes its unused set: it leaves their .grad None)
+        self.recording: list | None = None
+        self.bucket_params: list[list[torch.Tensor]] | None = None
+        self.used: list[list[bool]] | None = None
+        self.bucket_ids: list[list[int | None]] | None = None  # zero's index of each, per plan
         self.plan_key = None
         self.layout: StepLayout | None = None
         self.engine: AdamWEngine | None = None
@@ -204,8 +210,8 @@ class BucketStepper:
         ddp = self.ddp()
         if not ddp._has_rebuilt_buckets:
             return fut  # warm-up: DDP's buckets are not final yet
-        if self.bucket_ids is None:
-            self._record(bucket)  # the first iteration after the rebuild: no step either
+        if self.used is None:
+            self._record(bucket, fut)  # the first iteration after the rebuild: no step either
             return fut
         if bucket.index() == 0:
             self._start_iteration()
@@ -223,16 +229,27 @@ class BucketStepper:
                 self._step(done)
         return fut
 
-    def _record(self, bucket) -> None:
+    def _record(self, bucket, fut) -> None:
         if self.recording is None:
-            self.recording = []
-        if bucket.index() != len(self.recording):
-            raise RuntimeError(f"{_FLAG}: DDP's buckets arrived out of order")
-        self.recording.append(list(bucket.parameters()))
-        if bucket.is_last():
-            index = {id(p): i for i, p in enumerate(self.zero._all_params)}
-            self.bucket_ids = [[index.get(id(p)) for p in ps] for ps in self.recording]
-            self.recording = None
+            self.recording, self.error = [], None
+        if bucket.index() != len(self.recording) and self.error is None:
+            self.error = RuntimeError(f"{_FLAG}: DDP's buckets arrived out of order")
+        params = list(bucket.parameters())
+        # the hook runs before DDP writes the averaged grads: a grad here is a local use
+        self.recording.append((params, [p.grad is not None for p in params], fut))
+        if not bucket.is_last():
+            return
+        recording, self.recording = self.recording, None
+        for _, _, f in recording:
+            f.wait()  # no collective of ours while one of DDP's is in flight
+        group = self.ddp().process_group
+        flags = agree(group, dist.get_world_size(group), self.error,
+                      "zero_ext overlap: recording DDP's buckets",
+                      tuple(int(u) for _, used, _ in recording for u in used))
+        self.bucket_params = [ps for ps, _, _ in recording]
+        it = iter(flags)  # max over the ranks: used on some rank, so averaged into every one
+        self.used = [[bool(next(it)) for _ in ps] for ps in self.bucket_params]
+        self.error = None
 
     # ------------------------------------------------------------------ per iteration
 
@@ -242,7 +259,7 @@ class BucketStepper:
         try:
             if zero._replicas.refresh():  # memory replaced with p.data = t: follow it
                 self.plan_key = None
-            if self.plan_key != (id(zero.plan), id(zero.plan.local)):
+            if self.plan_key != self._plan_key():
                 self._bind_plan()
             groups_mod.copy_hyperparameters(zero.param_groups, zero.optim.param_groups)
             self.fused = zero._fused_step_supported()
@@ -250,13 +267,24 @@ class BucketStepper:
             self.error = exc
         zero._state_changed()
 
+    def _plan_key(self) -> tuple:
+        zero = self.zero
+        return id(zero.plan), id(zero.plan.local), len(zero._all_params)
+
     def _bind_plan(self) -> None:
         """Which of this rank's pieces each DDP bucket feeds (after construction, a new
-        param group, or moved memory)."""
+        param group, or moved memory): from the recorded buckets, over the current params."""
         zero = self.zero
         plan = zero.plan
+        index = {id(p): i for i, p in enumerate(zero._all_params)}
+        self.bucket_ids = [[index.get(id(p)) for p in ps] for ps in self.bucket_params]
         where = {pid: b for b, ids in enumerate(self.bucket_ids) for pid in ids
                  if pid is not None}
+        missing = [i for i, p in enumerate(zero._all_params)
+                   if p.requires_grad and i not in where]
+        if missing:  # e.g. add_param_group with params DDP does not reduce
+            raise ValueError(f"params {missing[:8]} of the optimizer are in none of this DDP "
+                             "model's buckets: its backward never gives them a grad to step")
         chunks: list[list[Segment]] = [[] for _ in self.bucket_ids]
         for lp in plan.local:
             b = where.get(lp.param_id)
@@ -266,7 +294,7 @@ class BucketStepper:
         self.sources = [_GradSource(p.shape) for p in zero._all_params]
         self.layout = StepLayout(self.sources, chunks)
         self.engine = AdamWEngine(zero.optimizer_class)
-        self.plan_key = (id(plan), id(plan.local))
+        self.plan_key = self._plan_key()
 
     def _step(self, items) -> None:
         """The local step of this rank's pieces of the buckets in `items` (all-reduced)."""
@@ -291,14 +319,17 @@ class BucketStepper:
 
     def _set_grads(self, b: int, bucket, value) -> None:
         """The averaged grads of bucket `b`, from the hook's result (the bucket's own buffer
-        for allreduce_hook, a new tensor for compressing hooks: the same layout)."""
+        for allreduce_hook, a new tensor for compressing hooks: the same layout). Only for
+        params torch's optimizer would step: used on some rank (DDP then writes their .grad)
+        or holding a grad already (DDP leaves it as it is); the others keep grad None, so
+        neither their values nor their state move."""
         if isinstance(value, (list, tuple)):
             value = value[0]
         flat = value.reshape(-1)
         base = bucket.buffer().storage_offset()
         params = self.zero._all_params
-        for pid, g in zip(self.bucket_ids[b], bucket.gradients()):
-            if pid is not None:
+        for pid, used, g in zip(self.bucket_ids[b], self.used[b], bucket.gradients()):
+            if pid is not None and (used or params[pid].grad is not None):
                 # DDP lays a dense param's grad out in the param's own memory order
                 # (channels_last, a transposed weight), but GradBucket.gradients() views
                 # every slice as row-major: take the slice with the param's strides

@@ -27,6 +27,18 @@ _TORCH_HAS_DECOUPLED_KEY = "decoupled_weight_decay" in inspect.signature(
     torch.optim.Adam.__init__).parameters
 
 
+def keep_step_eager(cls: type) -> None:
+    """Put `cls.step` as torch.optim.Optimizer wrapped it (`_patch_step_function`: the
+    profiler's record and the step pre/post hooks) out of dynamo's reach too, not only the
+    step's body: a compiled caller breaks its graph once there and runs the whole step
+    eagerly. The step is data-dependent Python (and collective for ZeRO) that dynamo would
+    recompile every iteration or fail on, as torch keeps its own zero_grad and state dicts."""
+    step = cls.step
+    if not getattr(step, "_zero_ext_eager", False):
+        cls.step = torch._disable_dynamo(step)  # (keeps torch's "hooked" mark: wrapped once)
+        cls.step._zero_ext_eager = True
+
+
 # --------------------------------------------------------------------------- hyperparameters
 
 def _defaults_for(optimizer_class) -> Dict[str, Any]:
@@ -163,6 +175,11 @@ class FusedAdamW(torch.optim.Optimizer):
         self._clip: Optional[grad_norm.PendingClip] = None  # from clip_grad_norm_
         super().__init__(params, defaults)
 
+    def _patch_step_function(self) -> None:
+        super()._patch_step_function()
+        keep_step_eager(type(self))
+
+    @torch._disable_dynamo
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         where = f" (param group {len(getattr(self, 'param_groups', []))})"
         get = lambda k: param_group.get(k, self.defaults[k])  # noqa: E731
@@ -193,6 +210,7 @@ class FusedAdamW(torch.optim.Optimizer):
             self._engine = AdamWEngine(FusedAdamW, self.master_weights)
         self._engine.invalidate()
 
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # e.g. a torch.optim.AdamW(capturable=True) checkpoint
@@ -211,10 +229,12 @@ class FusedAdamW(torch.optim.Optimizer):
                 keep_loaded_state(self.state[p], p, state_dict["state"].get(sid, {}),
                                   self.master_weights, copy=True)
 
+    @torch._disable_dynamo
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._clip = None  # a clip computed from the old grads does not apply to new ones
         super().zero_grad(set_to_none)
 
+    @torch._disable_dynamo  # its norm is read as a float
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> Tensor:
@@ -244,6 +264,7 @@ class FusedAdamW(torch.optim.Optimizer):
         if self._clip:
             self._clip = self._clip.after_step([p.grad for p in self._params()])
 
+    @torch._disable_dynamo  # (and keep_step_eager: its hooks too)
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step for all groups; returns the closure's loss if one is given."""

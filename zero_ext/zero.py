@@ -23,7 +23,7 @@ from . import grad_norm, grad_reduce
 from . import groups as groups_mod
 from . import kernels, launcher, layout, overlap, state
 from .agree import agree, agree_on_inputs, rendezvous
-from .fused_adamw import FusedAdamW, fused_path_supported
+from .fused_adamw import FusedAdamW, fused_path_supported, keep_step_eager
 from .local_step import FusedShardStep
 from .precision import found_inf_flag, generic_precision, kernel_divisor, scale_factor
 from .replicas import Replicas
@@ -276,12 +276,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return max(1, min(OVERLAP_CHUNKS, mean_share // OVERLAP_MIN_CHUNK_ELEMS))
 
     # ------------------------------------------------------------------ public API
+    # Every public method is collective or reads grads as data: under torch.compile each
+    # one is a graph break that runs eagerly (torch's own zero_grad, state_dict, ... too).
 
     @property
     def local_numel(self) -> int:
         """Parameter elements whose optimizer state this rank holds."""
         return self.plan.local_numel
 
+    @torch._disable_dynamo
     def add_param_group(self, param_group: dict) -> None:
         if not self._initialized:
             return super().add_param_group(param_group)
@@ -343,6 +346,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ------------------------------------------------------------------ the step
 
+    def _patch_step_function(self) -> None:
+        super()._patch_step_function()
+        keep_step_eager(type(self))  # the step's pre-hooks (FirstStepCheck) eager too
+
+    @torch._disable_dynamo
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any):
         """Local step on this rank's share, then every rank's update reaches every rank.
 
@@ -535,10 +543,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ------------------------------------------------------------------ clipping
 
+    @torch._disable_dynamo
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._clip = None  # a clip computed from the old grads does not apply to new ones
         super().zero_grad(set_to_none)
 
+    @torch._disable_dynamo
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -602,6 +612,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ------------------------------------------------------------------ checkpoints
 
+    @torch._disable_dynamo
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collect the full optimizer state on rank `to` of the process group (call it on
         every rank); state_dict() on that rank then returns it, as in torch."""
@@ -618,6 +629,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._state_changed()
         self._stepper = None  # rebuilt at the next fused step, over the new state
 
+    @torch._disable_dynamo
     def state_dict(self) -> dict:
         """The full state in plain torch format, on the rank it was consolidated on.
 
@@ -651,6 +663,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         full = state.consolidate(self, 0)
         return state.torch_format(self, full) if self.rank == 0 else state.placeholder(self, 0)
 
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict | None) -> None:
         """Load a torch-format state dict (ours, torch's ZeRO's or a plain optimizer's),
         without modifying it. Collective. Ranks given None (or the placeholder) receive

@@ -24,6 +24,20 @@ def _step_loss(ddp, rank, it):
     return ddp(_batch(rank, it)).square().mean()
 
 
+def _train_alongside(rank, candidate, reference, iters):
+    """Train (DDP, optimizer) pairs on the same batches; after every step the candidate's
+    params must match the reference's. Returns the candidate's final params."""
+    for it in range(iters):
+        for ddp, opt in (candidate, reference):
+            _step_loss(ddp, rank, it).backward()
+            opt.step()
+            opt.zero_grad()
+        for a, b in zip(reference[0].module.parameters(), candidate[0].module.parameters()):
+            torch.testing.assert_close(b.detach(), a.detach(), **TOL,
+                                       msg=lambda m, it=it: f"iteration {it}: {m}")
+    return [p.detach().clone() for p in candidate[0].module.parameters()]
+
+
 # ------------------------------------------------------------------ the plan changes
 
 def _plan_changes(rank, world, sharding):
@@ -108,14 +122,7 @@ def _subgroup(rank, world, how):
         return error_of(lambda: _step_loss(ddp, rank, 0).backward())
     ref = DDP(_Net(), bucket_cap_mb=SMALL, process_group=mine)
     o_ref = torch.optim.AdamW(_groups(ref.module), **HP)
-    for it in range(3):
-        for d, o in ((ddp, opt), (ref, o_ref)):
-            _step_loss(d, rank, it).backward()
-            o.step()
-            o.zero_grad()
-        for a, b in zip(ref.module.parameters(), net.parameters()):
-            torch.testing.assert_close(b.detach(), a.detach(), **TOL)
-    return [p.detach().clone() for p in net.parameters()]
+    return _train_alongside(rank, (ddp, opt), (ref, o_ref), iters=3)
 
 
 def test_ddp_and_optimizer_on_one_subgroup():
@@ -140,14 +147,7 @@ def _hybrid_shard_group_as_ddp_group(rank, world):
     ddp.register_comm_hook(opt, reduce_scatter_hook)
     ref = DDP(_Net(), bucket_cap_mb=SMALL, process_group=shard)
     o_ref = torch.optim.AdamW(_groups(ref.module), **HP)
-    for it in range(3):
-        for d, o in ((ddp, opt), (ref, o_ref)):
-            _step_loss(d, rank, it).backward()
-            o.step()
-            o.zero_grad()
-        for a, b in zip(ref.module.parameters(), net.parameters()):
-            torch.testing.assert_close(b.detach(), a.detach(), **TOL)
-    return [p.detach().clone() for p in net.parameters()]
+    return _train_alongside(rank, (ddp, opt), (ref, o_ref), iters=3)
 
 
 def test_ddp_on_a_hybrid_shard_group_itself():

@@ -150,6 +150,32 @@ def _value_repr(value: Any) -> str:
     return repr(value)
 
 
+def plain_value(v: Any) -> Any:
+    """A hyperparameter as plain data, equal on two ranks exactly when the values are: a
+    tensor by dtype, shape and bytes (not its device, class or requires_grad, which its
+    repr shows: a CUDA tensor lr prints cuda:0 on one rank, cuda:1 on the next; nor its
+    repr's 4 printed digits, which hide a real difference), Python scalars by repr (exact
+    for floats), containers element by element, other objects by type name only (their
+    repr may hold a memory address, which differs between processes)."""
+    if isinstance(v, torch.Tensor):
+        t = v.detach()
+        if t.device.type == "meta":
+            return ("tensor", str(t.dtype), tuple(t.shape), None)
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        data = t.to("cpu").resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+        return ("tensor", str(t.dtype), tuple(t.shape),
+                hashlib.sha256(data.numpy().tobytes()).hexdigest())
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+        return (type(v).__name__, repr(v))
+    if isinstance(v, (tuple, list)):
+        return ("sequence", tuple(plain_value(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted(((repr(k), plain_value(x)) for k, x in v.items()),
+                                     key=lambda kv: kv[0])))
+    return ("object", f"{type(v).__module__}.{type(v).__qualname__}")
+
+
 def hyperparameters(group: dict) -> dict:
     """A param group's entries other than its params."""
     return {k: v for k, v in group.items() if k != "params"}

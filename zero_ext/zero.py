@@ -48,17 +48,6 @@ def is_elementwise(optimizer_class: type) -> bool:
             and optimizer_class.__name__ in _ELEMENTWISE)
 
 
-def _plain(v):
-    """A hyperparameter as plain, process-independent data (objects by type name only)."""
-    if isinstance(v, torch.Tensor):
-        return tuple(v.detach().reshape(-1).tolist()) if v.numel() <= 16 else tuple(v.shape)
-    if isinstance(v, (bool, int, float, str, type(None))):
-        return v
-    if isinstance(v, (tuple, list)):
-        return tuple(_plain(x) for x in v)
-    return type(v).__qualname__
-
-
 class _ZeroJoinHook(JoinHook):
     """A joined rank keeps stepping (on the grads DDP's own hook provides) so that its
     collectives match the ranks still training."""
@@ -448,7 +437,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _hyperparameter_digest(self) -> int:
         """60 bits of a stable hash of every group's hyperparameters (what this step uses)."""
-        text = repr([sorted((k, _plain(v)) for k, v in groups_mod.hyperparameters(g).items())
+        text = repr([sorted((k, groups_mod.plain_value(v))
+                             for k, v in groups_mod.hyperparameters(g).items())
                      for g in self.optim.param_groups])
         return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 

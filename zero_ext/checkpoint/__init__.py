@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .. import state
 from ..agree import agree, rendezvous
-from ..groups import hyperparameters
+from ..groups import hyperparameters, plain_value
 from ..hybrid import Job, job_of
 from ..state import zero_gaps
 from ..sync import gather_objects
@@ -81,35 +81,9 @@ def _fingerprint(opt) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _plain(v: Any) -> Any:
-    """A hyperparameter as plain data, equal on two ranks exactly when the values are: a
-    tensor by dtype, shape and bytes (not its device, class or requires_grad, which its
-    repr shows: a CUDA tensor lr prints cuda:0 on one rank, cuda:1 on the next; nor its
-    repr's 4 printed digits, which hide a real difference), Python scalars by repr (exact
-    for floats), containers element by element, other objects by type name only (their
-    repr may hold a memory address, which differs between processes)."""
-    if isinstance(v, torch.Tensor):
-        t = v.detach()
-        if t.device.type == "meta":
-            return ("tensor", str(t.dtype), tuple(t.shape), None)
-        if t.layout != torch.strided:
-            t = t.to_dense()
-        data = t.to("cpu").resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-        return ("tensor", str(t.dtype), tuple(t.shape),
-                hashlib.sha256(data.numpy().tobytes()).hexdigest())
-    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
-        return (type(v).__name__, repr(v))
-    if isinstance(v, (tuple, list)):
-        return ("sequence", tuple(_plain(x) for x in v))
-    if isinstance(v, dict):
-        return ("dict", tuple(sorted(((repr(k), _plain(x)) for k, x in v.items()),
-                                     key=lambda kv: kv[0])))
-    return ("object", f"{type(v).__module__}.{type(v).__qualname__}")
-
-
 def _holdings(opt) -> str:
     """What the optimizer holds, beyond its structure: the group hyperparameters (by value:
-    _plain) and three elements (first, middle, last) of every param, bitwise. Replicas of one
+    plain_value) and three elements (first, middle, last) of every param, bitwise. Replicas of one
     optimizer hold the same (DDP keeps their params equal); two optimizers over different
     params of equal shapes (pipeline stages, ensemble members) do not. Sampled, not summed:
     a sum's rounding depends on the thread count, which may differ between nodes."""
@@ -119,7 +93,7 @@ def _holdings(opt) -> str:
         if n and p.device.type != "meta":
             flat = p.detach().reshape(-1)
             picks.setdefault(p.device, []).append(flat[[0, n // 2, n - 1]].view(torch.uint8))
-    h = hashlib.sha256(repr([sorted(((k, _plain(v)) for k, v in hyperparameters(g).items()),
+    h = hashlib.sha256(repr([sorted(((k, plain_value(v)) for k, v in hyperparameters(g).items()),
                                     key=lambda kv: kv[0])
                              for g in opt.param_groups]).encode())
     for dev in sorted(picks, key=str):

@@ -60,12 +60,6 @@ class _BucketPlan:
     runs: list             # runs[r]: [(offset, length)] owned by rank r
     splits: list           # elements owned by each rank
     in_place: bool         # the runs in rank order are the buffer in order: no packing
-    # kept from one backward to the next: a fresh multi-MB buffer per bucket per
-    # iteration costs its page faults every time (measured on gloo, 2 ranks, 33.6M fp32
-    # elements: a reduce-scatter 105 ms with kept buffers, 200-265 ms with fresh ones)
-    recv: Any = None       # every rank's contribution to the elements this rank owns
-    send: Any = None       # the bucket in rank order (when not in_place)
-    summed: Any = None     # float32 sums of bf16/fp16 grads
 
 
 class GradReducer:
@@ -80,7 +74,13 @@ class GradReducer:
         self._armed = False     # a callback is queued for the end of this backward
         self.seq = 0            # the hook's calls in this backward (bucket order)
         self.ordered = _InOrder()
-        self.in_flight: dict = {}  # lane -> its all_to_all not waited for yet
+        self.in_flight: dict = {}  # lane -> the future of its bucket not waited for yet
+        # Scratch per lane, (lane, name, dtype, device) -> buffer, grown to the largest
+        # bucket: bounded by the buckets in flight (one per lane), not one set per bucket,
+        # and kept from one backward to the next (a fresh multi-MB buffer per bucket per
+        # iteration costs its page faults every time: on gloo, 2 ranks, 33.6M fp32
+        # elements, a reduce-scatter took 105 ms with kept buffers, 200-265 ms with fresh)
+        self.scratch: dict = {}
         self.accumulated = False  # a backward ran onto reduced grads
         self._watched = 0         # params whose incoming grads are watched
         # (weakref to the grad, its version) per param once DDP wrote them (weak: a grad
@@ -91,6 +91,7 @@ class GradReducer:
         self.reduced_ids: set[int] = set()  # params reduce-scattered in this backward
         self.reduced_under: tuple | None = None  # the ownership map (self._owned) used
         self.layout_checked = False
+        self.ddp = None  # weakref to the DDP model found by check_layout
 
     # -------------------------------------------------------------- ownership
     def owned_runs(self) -> dict[int, list[tuple[int, int, int]]]:
@@ -159,18 +160,6 @@ class GradReducer:
         buf = bucket.buffer()
         world, me = opt.world_size, opt.rank
         mine = bp.splits[me]
-        if bp.recv is None or bp.recv.dtype != buf.dtype or bp.recv.device != buf.device:
-            bp.recv = buf.new_empty(world * mine)
-            bp.send = None if bp.in_place else buf.new_empty(buf.numel())
-            bp.summed = (buf.new_empty(mine, dtype=torch.float32)
-                         if buf.dtype in (torch.bfloat16, torch.float16) else None)
-        recv, send = bp.recv, buf
-        if not bp.in_place:
-            send, pos = bp.send, 0
-            for r in range(world):
-                for o, n in bp.runs[r]:
-                    send[pos:pos + n].copy_(buf[o:o + n])
-                    pos += n
         # gloo moves one op per process group at a time: consecutive buckets alternate
         # between the exchange's lanes (groups over the same ranks) to travel at once
         # (measured: a 33.6M-element reduce-scatter 105 -> 65 ms on two lanes). At most
@@ -178,50 +167,71 @@ class GradReducer:
         # different order on different ranks (broadcasts were seen to deadlock at world 3).
         lanes = opt._replicas.ex.lanes
         lane = seq % len(lanes)
-        if self.in_flight.get(lane) is not None:
-            self.in_flight.pop(lane).wait()
+        prev = self.in_flight.pop(lane, None)
+        if prev is not None:
+            prev.wait()  # the lane's last bucket, written back: its scratch is free again
+        low = buf.dtype in (torch.bfloat16, torch.float16)  # summed in float32
+        replicas = self.replica_group
+        total = world * (1 if replicas is None else dist.get_world_size(replicas))
+        # full-precision sums without replicas go straight into this rank's runs of the
+        # bucket; bf16/fp16 ones are summed in float32, hybrid ones all-reduced first
+        direct = not low and replicas is None
+        recv = self._scratch(lane, "recv", world * mine, buf)
+        acc = None if direct else self._scratch(lane, "sum", mine, buf,
+                                                torch.float32 if low else buf.dtype)
+        send = buf
+        if not bp.in_place:
+            send, pos = self._scratch(lane, "send", buf.numel(), buf), 0
+            for r in range(world):
+                for o, n in bp.runs[r]:
+                    send[pos:pos + n].copy_(buf[o:o + n])
+                    pos += n
         backend = dist.get_backend(lanes[lane])
         work = dist.all_to_all_single(wire_view(recv, backend), wire_view(send, backend),
                                       output_split_sizes=[mine] * world,
                                       input_split_sizes=bp.splits, group=lanes[lane],
                                       async_op=True)
-        self.in_flight[lane] = work
-        replicas = self.replica_group
-        total = world * (1 if replicas is None else dist.get_world_size(replicas))
 
-        # one run of this rank's elements in the bucket (flat mode, mostly): summed in place
-        direct = (bp.summed is None and len(bp.runs[me]) == 1 and replicas is None)
-
-        def owned_sum():
-            # a chain of adds: 2.4x faster than torch.sum over the rank dim on one CPU
-            # thread (4.2M fp32 elements: 3.1 vs 7.6 ms)
-            parts = recv.view(world, mine).unbind(0)
-            if direct:
-                o, n = bp.runs[me][0]
-                out = torch.add(parts[0], parts[1], out=buf[o:o + n]) if world > 1 \
-                    else buf[o:o + n].copy_(parts[0])
-            elif bp.summed is not None:
-                out = bp.summed.copy_(parts[0])
-                if world > 1:
-                    out.add_(parts[1])
+        def chain_of_adds(parts, out) -> None:
+            # 2.4x faster than torch.sum over the rank dim on one CPU thread (4.2M fp32
+            # elements: 3.1 vs 7.6 ms)
+            if len(parts) == 1:
+                out.copy_(parts[0])
+            elif low:  # (add_ into a float32 tensor sums in float32)
+                out.copy_(parts[0]).add_(parts[1])
             else:
-                out = parts[0].clone() if world == 1 else torch.add(parts[0], parts[1])
+                torch.add(parts[0], parts[1], out=out)
             for part in parts[2:]:
                 out.add_(part)
-            return out
+
+        def owned_sum():
+            parts = recv.view(world, mine).unbind(0)
+            if not direct:
+                chain_of_adds(parts, acc)
+                return acc
+            pos = 0
+            for o, n in bp.runs[me]:
+                chain_of_adds([q[pos:pos + n] for q in parts], buf[o:o + n])
+                pos += n
+            return None
 
         def write_back(summed) -> torch.Tensor:
-            summed.div_(total)
-            if not direct:
-                pos = 0
+            if summed is None:  # (direct: in the runs already)
                 for o, n in bp.runs[me]:
-                    buf[o:o + n].copy_(summed[pos:pos + n])
-                    pos += n
+                    buf[o:o + n].div_(total)
+                return buf
+            summed.div_(total)
+            pos = 0
+            for o, n in bp.runs[me]:
+                buf[o:o + n].copy_(summed[pos:pos + n])
+                pos += n
             return buf
 
         if replicas is None:
-            return work.get_future().then(
+            done = work.get_future().then(
                 lambda fut: (fut.wait(), write_back(owned_sum()) if mine else buf)[1])
+            self.in_flight[lane] = done
+            return done
         # Hybrid: the owned sum is then all-reduced across the replicas. Futures complete
         # in any order, but collectives must be issued in the same order on every rank:
         # the bucket order (DDP runs the hook bucket by bucket, alike everywhere).
@@ -247,7 +257,17 @@ class GradReducer:
             self.ordered.submit(seq, issue)
 
         work.get_future().then(after_shard_sum)
+        self.in_flight[lane] = result
         return result
+
+    def _scratch(self, lane: int, name: str, n: int, like: torch.Tensor,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = like.dtype if dtype is None else dtype
+        key = (lane, name, dtype, like.device)
+        buf = self.scratch.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self.scratch[key] = torch.empty(n, dtype=dtype, device=like.device)
+        return buf[:n]
 
     # -------------------------------------------------------------- the check
     def _arm(self) -> None:
@@ -449,6 +469,7 @@ def check_layout(reducer, bucket) -> None:
     would be wrong. The same on every rank."""
     opt = reducer.opt()
     ddp = None if opt.process_group is None else _ddp_holding(bucket.parameters()[0])
+    reducer.ddp = None if ddp is None else weakref.ref(ddp)
     if ddp is not None:
         theirs = sorted(dist.get_process_group_ranks(ddp.process_group))
         ours = sorted(dist.get_process_group_ranks(opt.process_group))
@@ -532,6 +553,13 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
     reducer = reducer_of(opt)
     if not reducer.layout_checked:
         check_layout(reducer, bucket)
+    ddp = reducer.ddp() if reducer.ddp is not None else None
+    if ddp is not None and not ddp._has_rebuilt_buckets and (
+            not ddp.find_unused_parameters or ddp.static_graph):
+        # DDP's first iteration: one bucket of every grad, rebuilt into buckets of
+        # bucket_cap_mb afterwards; reduce-scattering it would need scratch of the model's
+        # size for the whole run. All-reduced as DDP does: its bytes, for one iteration.
+        return _all_reduce(bucket, ddp.process_group)
     bp = reducer.bucket_plan(bucket)
     if bp is None:  # (hybrid: DDP's group is the whole job)
         return _all_reduce(bucket, None if reducer.replica_group else opt.process_group)

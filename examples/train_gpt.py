@@ -252,9 +252,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--steps", type=int, default=300, help="training steps")
-    ap.add_argument("--sharding", default="auto", choices=["auto", "param", "flat"],
+    ap.add_argument("--sharding", default="auto", choices=["auto", "param", "flat", "even"],
                     help="zero_ext's sharding mode: whole params per rank, flat element "
-                         "ranges, or chosen by balance")
+                         "ranges, every param split over all ranks (even: balanced links, "
+                         "for clusters), or chosen by balance")
     ap.add_argument("--bucket-view", action="store_true",
                     help="parameters_as_bucket_view=True (params become views of flat buffers)")
     ap.add_argument("--torch-zero", action="store_true",

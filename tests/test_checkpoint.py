@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not gloo_available(), reason="needs torch.distri
 
 AdamW = torch.optim.AdamW
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ("param", "flat")
+MODES = ("param", "flat", "even")
 # sizes chosen so that flat sharding cuts several params between ranks at worlds 2 and 3
 SHAPES = [(40, 6), (12,), (6, 12), (6,), (25,), (3, 3, 3), (1,), (64,), (5, 4), (2,), (10, 3)]
 DTYPES = [torch.float32] * 10 + [torch.bfloat16]

@@ -197,9 +197,9 @@ def draw_spec(rnd: random.Random) -> dict:
     ddp = None
     if not tie and dmode != "c64" and rnd.random() < (0.8 if masters else 0.15):
         ddp = {"find_unused": rnd.random() < 0.5}
-    sharding = rnd.choice(["param", "param", "flat", "auto"] if ddp and masters
-                          else ["param", "flat", "auto"])
-    bv = (rnd.random() < 0.5)
+    sharding = rnd.choice(["param", "param", "flat", "even", "auto"] if ddp and masters
+                          else ["param", "flat", "even", "auto"])
+    bv = rnd.random() < 0.5 and sharding != "even"  # (even mode has no bucket views)
     ddp_init = rnd.randint(0, 3) == 0
     sched = rnd.choice([None, None, "steplr", "onecycle"])
     if sched == "onecycle" and cls == "sgd" and any(
@@ -437,7 +437,8 @@ class _Run:
         except (ValueError, TypeError) as exc:
             msg = str(exc).lower()
             cplx = "c64" in spec["dtypes"]
-            if ((spec["sharding"] == "flat" and spec["cls"] == "custom" and "flat" in msg)
+            if ((spec["sharding"] in ("flat", "even") and spec["cls"] == "custom"
+                 and spec["sharding"] in msg)
                     or (spec["bv"] and cplx and "complex" in msg) or spec["tie"]):
                 raise Refused(f"{type(exc).__name__}: {exc}") from exc
             raise
@@ -987,6 +988,15 @@ def targeted_specs() -> list:
                   later=[{"idx": [1, 3], "hyper": {"lr": 3e-3}}]),
             _spec(w, "adamw", [S, S, ("replace_state", {"how": "halve"}), S,
                                ("replace_state", {"how": "step"}), S], sharding="flat"),
+            # issue 24: every param split over the ranks (a group added later, a clip, an
+            # overwrite after construction, a checkpoint, a frozen param with a stale grad)
+            _spec(w, "adamw", [S, clip, ("add_group", {"g": 0}), S, ("ckpt", {"fresh": True}),
+                               S], sharding="even",
+                  groups=[{"idx": [0, 2, 4], "hyper": {}}],
+                  later=[{"idx": [1, 3], "hyper": {"lr": 3e-3}}]),
+            _spec(w, "sgd", [S, ("overwrite", {"how": "assign"}), S,
+                             ("freeze", {"i": 2, "stale": True}), S, ("unfreeze", {"i": 2}), S],
+                  sharding="even", ddp_init=True, defaults={"lr": 0.05, "momentum": 0.9}),
             _spec(w, "fused", [S, S, ("replace_state", {"how": "halve"}), S, S],
                   defaults={"lr": 1e-2, "amsgrad": True}, bv=True),
         ]
@@ -1058,7 +1068,7 @@ def test_harness_draws_every_kind_of_event():
     assert need <= evs, f"never drawn: {need - evs}"
     assert any(s["ddp_init"] for s in specs) and any(s["tie"] for s in specs)
     assert {s["cls"] for s in specs} == {"sgd", "adam", "adamw", "fused", "custom"}
-    assert {s["sharding"] for s in specs} == {"param", "flat", "auto"}
+    assert {s["sharding"] for s in specs} == {"param", "flat", "even", "auto"}
     assert {d for s in specs for d in s["dtypes"]} == {"f32", "bf16", "c64", "f16"}
     assert any(s["masters"] for s in specs) and not all(s["masters"] for s in specs)
     assert {s["world"] for s in specs} == {1, 2, 3}

@@ -32,7 +32,7 @@ ITERS = 4  # stepping iterations after the warm-up
 KW = {"SGD": dict(lr=0.01, momentum=0.9, weight_decay=0.001),
       "Adam": dict(lr=0.01, betas=(0.9, 0.99)),
       "AdamW": dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.05)}
-MODES = [("param", False), ("flat", False), ("param", True), ("flat", True)]
+MODES = [("param", False), ("flat", False), ("param", True), ("flat", True), ("even", False)]
 
 
 def _model(strided=False):

@@ -140,6 +140,9 @@ def _same_everywhere(per_rank):
 CASES = {
     "param": dict(sharding="param", clip=True),
     "flat": dict(sharding="flat", clip=True),
+    "even": dict(sharding="even", clip=True),
+    "even-accumulate-grad-scaler": dict(sharding="even", accumulate=2, scaler=True, clip=True,
+                                        grad_view=True),
     "param-bucket-view": dict(sharding="param", bucket_view=True, clip=True),
     "flat-bucket-view-grad-view": dict(sharding="flat", bucket_view=True, grad_view=True,
                                        clip=True),
@@ -153,7 +156,8 @@ CASES = {
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_ddp_allreduce_and_adamw(world, case):
-    if world == 3 and case not in ("param", "flat", "accumulate-no-sync", "grad-scaler"):
+    if world == 3 and case not in ("param", "flat", "even", "accumulate-no-sync",
+                                   "grad-scaler"):
         pytest.skip("world 3 runs the main cases only (2 cores)")
     _same_everywhere(run_world(_parity, world, CASES[case]))
 
@@ -181,7 +185,7 @@ def _hybrid(rank, world, sharding):
     return [p.detach().clone() for p in zero.module.parameters()]
 
 
-@pytest.mark.parametrize("sharding", ["param", "flat"])
+@pytest.mark.parametrize("sharding", ["param", "flat", "even"])
 def test_hybrid_layout_two_replicas_of_two_shards(sharding):
     _same_everywhere(run_world(_hybrid, 4, sharding))
 
@@ -310,13 +314,56 @@ def _bytes(rank, world, sharding):
     return sum(sent), sum(p.numel() for p in zero.module.parameters())
 
 
-@pytest.mark.parametrize("sharding", ["param", "flat"])
+@pytest.mark.parametrize("sharding", ["param", "flat", "even"])
 def test_each_rank_sends_only_what_others_own(sharding):
     """Over the ranks, the hook sends (W-1)/W of the model's grads per rank on average
     (each element once to its owner from every other rank): half of DDP's all-reduce."""
     out = run_world(_bytes, 2, sharding)
     total = out[0][1]
     assert sum(s for s, _ in out) == total  # W=2: every element leaves one rank once
+
+
+def _shares(rank, world, sharding):
+    """After DDP's rebuild: per DDP bucket, the elements each rank receives in the hook's
+    all_to_all (from the bucket plans the hook sends by) and the padding that would make
+    every param of it a multiple of the world; per exchange message of the step, the
+    elements each owner contributes."""
+    from zero_ext import sync
+
+    _, (zero, opt) = _pair(rank, dict(sharding=sharding))
+    for it in range(3):
+        _iteration(rank, it, zero, opt, {}, False)
+    params = opt._all_params
+    buckets = []
+    for bp in opt._grad_reducer.buckets.values():
+        pad = sum(-(-params[i].numel() // world) * world - params[i].numel()
+                  for i in bp.param_ids)
+        buckets.append((list(bp.splits), pad))
+    exchanged = [0] * world
+    for messages in opt._replicas._messages.values():
+        for m in messages:
+            if isinstance(m, sync.Gather):
+                for _, ranges, _ in m.params:
+                    for r, (lo, hi) in enumerate(ranges):
+                        exchanged[r] += hi - lo
+            else:
+                exchanged[m.owner] += m.numel
+    total_pad = sum(-(-p.numel() // world) * world - p.numel() for p in params)
+    return buckets, exchanged, total_pad
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_even_mode_splits_every_bucket_and_the_exchange_evenly(world):
+    """sharding="even": in every DDP bucket each rank's share differs from another's by at
+    most the bucket's padding, and so do the owners' parts of the params' exchange; flat
+    mode (whole ranges of one flat buffer) gives a DDP bucket to one or two ranks."""
+    buckets, exchanged, pad = run_world(_shares, world, "even")[0]
+    assert len(buckets) >= 2
+    for splits, bucket_pad in buckets:
+        assert max(splits) - min(splits) <= bucket_pad, (splits, bucket_pad)
+    assert max(exchanged) - min(exchanged) <= pad, (exchanged, pad)
+    flat, _, _ = run_world(_shares, world, "flat")[0]  # the check can fail
+    assert any(max(s) - min(s) > p for s, p in flat), flat
 
 
 def _accumulate(rank, world, how):

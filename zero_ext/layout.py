@@ -9,6 +9,10 @@ A bucket is one flat buffer per (device, dtype) of the params added in one const
   adjacent. Ownership comes from `kernels.assign_params` (never worse balanced than torch).
 - "flat" mode: the bucket is in global param order and cut into equal ranges, so params may
   straddle ranks. Balance is total/world, whatever the largest param.
+- "even" mode: every param is a bucket of its own, cut into `world` equal ranges (the last
+  ones shorter, which rank takes which chunk rotating with the param's index), so every
+  rank owns 1/world of every param: any set of params (a DDP bucket) is split evenly over
+  the ranks, up to one element per param, and so are the collectives that move it.
 The sync exchanges each rank's range; the optimizer steps its own.
 """
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch
 
 from . import kernels
 
-PARAM, FLAT = "param", "flat"
+PARAM, FLAT, EVEN = "param", "flat", "even"
+SPLIT_MODES = (FLAT, EVEN)  # modes that split params between ranks (elementwise only)
 
 
 @dataclass
@@ -103,6 +108,23 @@ def flat_mode_buckets(params, ids, world) -> list[Bucket]:
         ranges = [(r * shard, (r + 1) * shard) for r in range(world)]
         buckets.append(Bucket(device, dtype, list(key_ids), list(offsets[:-1]), numels,
                               ranges, total))
+    return buckets
+
+
+def even_mode_buckets(params, ids, world) -> list[Bucket]:
+    """One bucket per param of `ids`, cut into `world` chunks of ceil(n / world) elements
+    (the last ones shorter or empty). Param i's chunk j goes to rank (i + j) % world: the
+    short chunks rotate over the ranks instead of always landing on the last ones. No
+    alignment padding (the pieces are views of the params' own memory)."""
+    buckets = []
+    for pid in ids:
+        p = params[pid]
+        n = p.numel()
+        c = -(-n // world)
+        ranges = [(0, 0)] * world
+        for j in range(world):
+            ranges[(pid + j) % world] = (min(j * c, n), min((j + 1) * c, n))
+        buckets.append(Bucket(p.device, p.dtype, [pid], [0], [n], ranges, n))
     return buckets
 
 
@@ -204,7 +226,7 @@ class LocalPiece:
 class ShardPlan:
     """The whole layout of one ZeroRedundancyOptimizer (see the module docstring)."""
 
-    sharding: str                     # PARAM or FLAT
+    sharding: str                     # PARAM, FLAT or EVEN
     world_size: int
     rank: int
     bucket_view: bool
@@ -252,6 +274,8 @@ class ShardPlan:
                       and (self.trainable(i) or not self.bucket_view)]
             self.buckets += param_mode_buckets(self.params, placed, self.owner,
                                                self.world_size)
+        elif self.sharding == EVEN:
+            self.buckets += even_mode_buckets(self.params, ids, self.world_size)
         else:
             self.buckets += flat_mode_buckets(self.params, ids, self.world_size)
 
@@ -292,7 +316,7 @@ class ShardPlan:
     def rebind(self, param_ids: set[int]) -> None:
         """Flat mode: re-point the keys of these params at their current memory (after
         `p.data = t`); the key objects, and so the optimizer state, stay."""
-        if self.sharding != FLAT:
+        if self.sharding not in SPLIT_MODES:
             return
         for lp in self.local:
             if lp.param_id in param_ids:

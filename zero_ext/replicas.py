@@ -17,7 +17,8 @@ import time
 import torch
 
 from . import kernels, layout
-from .sync import Exchanger, exchange_pieces, plan_messages
+from .sync import (Exchanger, Gather, exchange_gathers, exchange_pieces, plan_gathers,
+                   plan_messages, uses_gathers)
 
 
 class OverlappedSends:
@@ -237,8 +238,18 @@ class Replicas:
             active = (lambda pid: True) if exchange_frozen else plan.trainable
             if len(self._messages) > 16:  # one plan per trainable mask seen: keep it bounded
                 self._messages.clear()
-            self._messages[key] = plan_messages(plan.buckets, plan.world_size, active)
-        exchange_pieces(self.ex, self._messages[key], plan.element_view)
+            if plan.sharding != layout.EVEN:
+                self._messages[key] = plan_messages(plan.buckets, plan.world_size, active)
+            elif uses_gathers(self.ex):  # every link does equal work (see sync.py)
+                self._messages[key] = plan_gathers(plan.buckets, plan.world_size, active)
+            else:  # (gloo at world 2: one broadcast per owner on each of two lanes)
+                self._messages[key] = plan_messages(plan.buckets, plan.world_size, active,
+                                                    across_buckets=True)
+        messages = self._messages[key]
+        if messages and isinstance(messages[0], Gather):
+            exchange_gathers(self.ex, messages, plan.element_view)
+        else:
+            exchange_pieces(self.ex, messages, plan.element_view)
 
     def _exchange_frozen(self) -> None:
         """Param mode with bucket views: the frozen params (outside the buffers) after a

@@ -362,11 +362,11 @@ def state_problems(opt: "ZeroRedundancyOptimizer", pid: int, names, numels: dict
         if n is not None and n != p.numel():
             out.append(f"param {pid} (group {gi}): state {k!r} has {n} elements, the param "
                        f"has {p.numel()} (shape {tuple(p.shape)})")
-    if opt.sharding == layout.FLAT:
+    if opt.sharding in layout.SPLIT_MODES:
         for k, n in numels.items():
             if k not in _ADAM_KEYS and n is not None and n > 1 and n != p.numel():
                 out.append(f"param {pid}: state {k!r} has {n} elements, the param has "
-                           f"{p.numel()}; sharding='flat' can only split per-element state")
+                           f"{p.numel()}; sharding={opt.sharding!r} can only split per-element state")
     return out
 
 

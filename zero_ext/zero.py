@@ -31,7 +31,7 @@ from .sync import Exchanger
 
 logger = logging.getLogger("zero_ext")
 
-SHARDING_MODES = ("auto", "param", "flat")
+SHARDING_MODES = ("auto", "param", "flat", "even")
 # Optimizers whose update of an element depends only on that element (plus per-param
 # scalars such as the step): only these may split a parameter between ranks.
 _ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad",
@@ -77,7 +77,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     Same signature and behaviour as ``torch.distributed.optim.ZeroRedundancyOptimizer``,
     plus: param-group dicts validated on every rank (with a cross-rank check), mixed dtypes,
-    a better-balanced partition, element-level sharding (``sharding="flat"``), a fused
+    a better-balanced partition, element-level sharding (``sharding="flat"``; ``"even"``
+    splits every param over all ranks, so every collective is split evenly), a fused
     multi-group AdamW step, and consolidation that sends state only to the target rank.
 
     ``master_weights=True``: every bfloat16/float16 param is stepped, by the rank that owns
@@ -110,21 +111,27 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if not isinstance(master_weights, bool):
                 raise TypeError(f"master_weights must be a bool, got {master_weights!r}")
             overlap.check_options(optimizer_class, master_weights, overlap_with_ddp)
-            if sharding == "flat" and not is_elementwise(optimizer_class):
+            splits = sharding in layout.SPLIT_MODES
+            if splits and not is_elementwise(optimizer_class):
                 raise ValueError(
-                    f"sharding='flat' splits parameters between ranks, which is exact only for "
-                    f"elementwise optimizers; {optimizer_class.__name__} is not known to be one. "
-                    "Use sharding='param'.")
+                    f"sharding={sharding!r} splits parameters between ranks, which is exact only "
+                    f"for elementwise optimizers; {optimizer_class.__name__} is not known to be "
+                    "one. Use sharding='param'.")
+            if sharding == layout.EVEN and parameters_as_bucket_view:
+                raise ValueError(
+                    "sharding='even' keeps every param in its own memory (each is split over "
+                    "all ranks, exchanged straight into the params): parameters_as_bucket_view"
+                    "=True has no buffer to view; use sharding='flat' for bucket views")
             groups = groups_mod.normalize_param_groups(params)
             groups_mod.validate_hyperparameters(optimizer_class, groups, defaults)
             flat_params = [p for g in groups for p in g["params"]]
             aliases = layout.find_aliases(flat_params)
-            if sharding == "flat":
+            if splits:
                 if any(not p.is_contiguous() for p in flat_params):
-                    raise ValueError("sharding='flat' needs contiguous parameters")
+                    raise ValueError(f"sharding={sharding!r} needs contiguous parameters")
                 if aliases:
                     raise ValueError(
-                        "sharding='flat' cannot split parameters that share memory (params "
+                        f"sharding={sharding!r} cannot split parameters that share memory (params "
                         f"{sorted(aliases)} alias earlier ones, as after `b.data = a.data`); "
                         "use sharding='param', or tie them as one Parameter")
             # (aliases and contiguity decide sharding="auto": part of what must agree)
@@ -288,7 +295,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                  "group are already in another group")
             groups_mod.validate_hyperparameters(self.optimizer_class, [group], self.defaults)
             aliases = layout.find_aliases(self._all_params + group["params"])
-            if aliases and (self.sharding == layout.FLAT or any(
+            if aliases and (self.sharding in layout.SPLIT_MODES or any(
                     i >= len(self._all_params) for i in aliases)):
                 raise ValueError("add_param_group: params of the new group share memory with "
                                  "other params (as after `b.data = a.data`); tie weights by "
@@ -475,7 +482,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 loss = closure()
         with self._clip_applied() as clip:
             factor = scale_factor(grad_scale, clip)
-            flat = self.sharding == layout.FLAT
+            flat = self.sharding in layout.SPLIT_MODES
             if flat:
                 self._attach_shard_grads()
             try:

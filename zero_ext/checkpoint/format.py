@@ -167,10 +167,10 @@ def _mismatches(opt, meta: dict) -> list[str]:
             for d in shape:
                 numels[name] *= d
         out += state_problems(opt, pid, s["order"], numels)
-    if opt.sharding == "flat":
+    if opt.sharding in ("flat", "even"):
         for pid, s in meta["state"].items():
             if s["wholes"]:
                 out.append(f"param {pid}: state {sorted(s['wholes'])} is not per-element "
                            "(saved with sharding='param'); it cannot be split for "
-                           "sharding='flat'")
+                           f"sharding={opt.sharding!r}")
     return out

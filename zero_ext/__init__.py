@@ -43,7 +43,8 @@ def __getattr__(name):  # lazy, so `import zero_ext.kernels` does not pull in th
         from .hybrid import hybrid_groups
 
         return hybrid_groups
-    if name in ("checkpoint", "hybrid", "integrations"):  # zero_ext.checkpoint.save(...)
+    # submodules as attributes: zero_ext.checkpoint.save(...), zero_ext.ddp_zero_hook...
+    if name in ("checkpoint", "hybrid", "integrations", "ddp_zero_hook"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -64,9 +64,11 @@ def _pair(rank, cfg, group=None):
     """(reference DDP + AdamW, candidate DDP + hook + zero_ext) on one model's copies."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext import ZeroRedundancyOptimizer, grad_reduce
     from zero_ext.ddp_zero_hook import reduce_scatter_hook
 
+    if cfg.get("segment_bytes"):  # (a fresh process per world: no other test sees it)
+        grad_reduce.SEGMENT_BYTES = cfg["segment_bytes"]
     dtype = cfg.get("dtype", torch.float32)
     kw = dict(bucket_cap_mb=0.002,  # several buckets even for this small model
               find_unused_parameters=cfg.get("find_unused", False),
@@ -143,6 +145,11 @@ CASES = {
     "even": dict(sharding="even", clip=True),
     "even-accumulate-grad-scaler": dict(sharding="even", accumulate=2, scaler=True, clip=True,
                                         grad_view=True),
+    # DDP buckets cut into several all_to_alls (each a share of every rank's runs)
+    "param-segments": dict(sharding="param", clip=True, segment_bytes=256),
+    "flat-segments-grad-view": dict(sharding="flat", clip=True, segment_bytes=256,
+                                    grad_view=True),
+    "even-segments": dict(sharding="even", clip=True, segment_bytes=256),
     "param-bucket-view": dict(sharding="param", bucket_view=True, clip=True),
     "flat-bucket-view-grad-view": dict(sharding="flat", bucket_view=True, grad_view=True,
                                        clip=True),
@@ -157,7 +164,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_ddp_allreduce_and_adamw(world, case):
     if world == 3 and case not in ("param", "flat", "even", "accumulate-no-sync",
-                                   "grad-scaler"):
+                                   "grad-scaler", "even-segments"):
         pytest.skip("world 3 runs the main cases only (2 cores)")
     _same_everywhere(run_world(_parity, world, CASES[case]))
 
@@ -172,11 +179,12 @@ def test_bf16_master_weights():
 
 # ------------------------------------------------------------------ hybrid layout
 
-def _hybrid(rank, world, sharding):
+def _hybrid(rank, world, sharding, segment_bytes=None):
     from zero_ext import hybrid_groups
 
     shard, _replica = hybrid_groups(shard_size=2)
-    (ref, o_ref), (zero, o_zero) = _pair(rank, dict(sharding=sharding), group=shard)
+    (ref, o_ref), (zero, o_zero) = _pair(rank, dict(sharding=sharding,
+                                                    segment_bytes=segment_bytes), group=shard)
     for it in range(4):
         _iteration(rank, it, ref, o_ref, {"clip": True}, True)
         _iteration(rank, it, zero, o_zero, {"clip": True}, False)
@@ -188,6 +196,11 @@ def _hybrid(rank, world, sharding):
 @pytest.mark.parametrize("sharding", ["param", "flat", "even"])
 def test_hybrid_layout_two_replicas_of_two_shards(sharding):
     _same_everywhere(run_world(_hybrid, 4, sharding))
+
+
+def test_hybrid_layout_with_segmented_buckets():
+    """Each segment's owned sum is all-reduced across the replicas in segment order."""
+    _same_everywhere(run_world(_hybrid, 4, "even", 256))
 
 
 # ------------------------------------------------------------------ checkpoints across modes

@@ -49,17 +49,33 @@ def track(opt) -> None:
     _LIVE[next(_built)] = opt
 
 
+# Elements one all_to_all of the hook moves at most: a larger DDP bucket travels as several
+# segments, each taking its share of every rank's runs, so the scratch (a receive buffer
+# of world x this rank's share, a packed send buffer) stays bounded by the segments in
+# flight (one per lane), whatever bucket_cap_mb is.
+SEGMENT_BYTES = 8 << 20
+
+
+@dataclass
+class _Segment:
+    """One all_to_all of a DDP bucket: per destination rank, the (offset, length) runs of
+    the bucket buffer it owns, in rank order."""
+
+    runs: list             # runs[r]: [(offset, length)] owned by rank r
+    splits: list           # elements owned by each rank
+    start: int             # where the runs in rank order start when they are contiguous,
+    in_place: bool         # (then the send is the buffer itself, no packing)
+
+
 @dataclass
 class _BucketPlan:
-    """How one DDP bucket travels: per destination rank, the (offset, length) runs of the
-    bucket buffer it owns, in rank order."""
+    """How one DDP bucket travels, cut by the optimizer's plan."""
 
     params: tuple          # identities of the bucket's params (DDP rebuilds buckets)
     plan_key: object       # the token of the ownership map it was cut by
     param_ids: tuple       # their indices in the optimizer's params
-    runs: list             # runs[r]: [(offset, length)] owned by rank r
     splits: list           # elements owned by each rank
-    in_place: bool         # the runs in rank order are the buffer in order: no packing
+    segments: list         # [_Segment], each moved by one all_to_all
 
 
 class GradReducer:
@@ -140,27 +156,33 @@ class GradReducer:
                 f"reduce_scatter_hook: DDP bucket {bucket.index()} holds "
                 f"{bucket.buffer().numel()} elements, its params {offset}: an unknown DDP "
                 "bucket layout; use DDP's default all-reduce")
-        flat = [run for r in range(world) for run in runs[r]]
-        in_place, pos = True, 0
-        for o, n in flat:
-            in_place = in_place and o == pos
-            pos = o + n
-        bp = _BucketPlan(ident, self._owned[0], tuple(ids), runs,
-                         [sum(n for _, n in rr) for rr in runs], in_place)
+        splits = [sum(n for _, n in rr) for rr in runs]
+        cap = max(1, SEGMENT_BYTES // bucket.buffer().element_size())
+        count = max(1, -(-max(offset, world * max(splits)) // cap))
+        bp = _BucketPlan(ident, self._owned[0], tuple(ids), splits,
+                         [_segment([_part(rr, k, count) for rr in runs])
+                          for k in range(count)])
         self.buckets[bucket.index()] = bp
         return bp
 
     # -------------------------------------------------------------- the reduce
     def reduce(self, bucket, bp: _BucketPlan) -> torch.futures.Future:
         self._arm()  # here, on the autograd thread (the future's callbacks run elsewhere)
-        seq, self.seq = self.seq, self.seq + 1
         self.reduced_ids.update(bp.param_ids)
         self.reduced_under = self._owned
-        opt = self.opt()
         buf = bucket.buffer()
+        futs = [self._reduce_segment(buf, seg) for seg in bp.segments]
+        if len(futs) == 1:
+            return futs[0]
+        return torch.futures.collect_all(futs).then(
+            lambda f: ([x.wait() for x in f.wait()], buf)[1])
+
+    def _reduce_segment(self, buf: torch.Tensor, seg: _Segment) -> torch.futures.Future:
+        seq, self.seq = self.seq, self.seq + 1
+        opt = self.opt()
         world, me = opt.world_size, opt.rank
-        mine = bp.splits[me]
-        # gloo moves one op per process group at a time: consecutive buckets alternate
+        mine = seg.splits[me]
+        # gloo moves one op per process group at a time: consecutive segments alternate
         # between the exchange's lanes (groups over the same ranks) to travel at once
         # (measured: a 33.6M-element reduce-scatter 105 -> 65 ms on two lanes). At most
         # one op in flight per lane: several async ops on one gloo group can start in a
@@ -169,7 +191,7 @@ class GradReducer:
         lane = seq % len(lanes)
         prev = self.in_flight.pop(lane, None)
         if prev is not None:
-            prev.wait()  # the lane's last bucket, written back: its scratch is free again
+            prev.wait()  # the lane's last segment, written back: its scratch is free again
         low = buf.dtype in (torch.bfloat16, torch.float16)  # summed in float32
         replicas = self.replica_group
         total = world * (1 if replicas is None else dist.get_world_size(replicas))
@@ -179,17 +201,19 @@ class GradReducer:
         recv = self._scratch(lane, "recv", world * mine, buf)
         acc = None if direct else self._scratch(lane, "sum", mine, buf,
                                                 torch.float32 if low else buf.dtype)
-        send = buf
-        if not bp.in_place:
-            send, pos = self._scratch(lane, "send", buf.numel(), buf), 0
+        size = sum(seg.splits)
+        if seg.in_place:
+            send = buf[seg.start:seg.start + size]
+        else:
+            send, pos = self._scratch(lane, "send", size, buf), 0
             for r in range(world):
-                for o, n in bp.runs[r]:
+                for o, n in seg.runs[r]:
                     send[pos:pos + n].copy_(buf[o:o + n])
                     pos += n
         backend = dist.get_backend(lanes[lane])
         work = dist.all_to_all_single(wire_view(recv, backend), wire_view(send, backend),
                                       output_split_sizes=[mine] * world,
-                                      input_split_sizes=bp.splits, group=lanes[lane],
+                                      input_split_sizes=seg.splits, group=lanes[lane],
                                       async_op=True)
 
         def chain_of_adds(parts, out) -> None:
@@ -210,19 +234,19 @@ class GradReducer:
                 chain_of_adds(parts, acc)
                 return acc
             pos = 0
-            for o, n in bp.runs[me]:
+            for o, n in seg.runs[me]:
                 chain_of_adds([q[pos:pos + n] for q in parts], buf[o:o + n])
                 pos += n
             return None
 
         def write_back(summed) -> torch.Tensor:
             if summed is None:  # (direct: in the runs already)
-                for o, n in bp.runs[me]:
+                for o, n in seg.runs[me]:
                     buf[o:o + n].div_(total)
                 return buf
             summed.div_(total)
             pos = 0
-            for o, n in bp.runs[me]:
+            for o, n in seg.runs[me]:
                 buf[o:o + n].copy_(summed[pos:pos + n])
                 pos += n
             return buf
@@ -234,7 +258,7 @@ class GradReducer:
             return done
         # Hybrid: the owned sum is then all-reduced across the replicas. Futures complete
         # in any order, but collectives must be issued in the same order on every rank:
-        # the bucket order (DDP runs the hook bucket by bucket, alike everywhere).
+        # the segment order (DDP runs the hook bucket by bucket, alike everywhere).
         result = torch.futures.Future()
 
         def after_shard_sum(fut) -> None:
@@ -429,6 +453,30 @@ def _settle(result: torch.futures.Future, compute) -> None:
 def _counter_key(g: torch.Tensor) -> tuple:
     base = g._base if g._base is not None else g
     return (base.device, base.untyped_storage().data_ptr())
+
+
+def _part(runs: list, k: int, count: int) -> list:
+    """Part k of `count` of a rank's runs: the elements [k n / count, (k+1) n / count) of
+    their concatenation (n their total), as runs."""
+    total = sum(n for _, n in runs)
+    lo, hi = k * total // count, (k + 1) * total // count
+    out, pos = [], 0
+    for o, n in runs:
+        a, b = max(lo, pos), min(hi, pos + n)
+        if b > a:
+            out.append((o + a - pos, b - a))
+        pos += n
+    return out
+
+
+def _segment(runs: list) -> _Segment:
+    flat = [run for rr in runs for run in rr]
+    start = flat[0][0] if flat else 0
+    in_place, pos = True, start
+    for o, n in flat:
+        in_place = in_place and o == pos
+        pos = o + n
+    return _Segment(runs, [sum(n for _, n in rr) for rr in runs], start, in_place)
 
 
 def _append_run(runs: list, offset: int, length: int) -> None:

@@ -286,3 +286,38 @@ def _second_optimizer(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_second_optimizer_over_a_shared_bucket(world):
     _same_everywhere(run_world(_second_optimizer, world))
+
+
+# ------------------------------------------------------------------ odd params
+
+class _WithEmpty(torch.nn.Module):
+    """_Net plus a trainable param of no element (a zero-width adapter, a pruned bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _Net()
+        self.empty = torch.nn.Parameter(torch.zeros(0, 4))
+
+    def forward(self, x):
+        return self.net(x) + self.empty.sum()
+
+
+def _empty_param(rank, world, sharding):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    net, ref_net = _WithEmpty(), _WithEmpty()
+    ddp, ref = DDP(net, bucket_cap_mb=SMALL), DDP(ref_net, bucket_cap_mb=SMALL)
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW, sharding=sharding,
+                                  **HP)
+    ddp.register_comm_hook(opt, reduce_scatter_hook)
+    return _train_alongside(rank, (ddp, opt), (ref, torch.optim.AdamW(ref_net.parameters(),
+                                                                      **HP)), iters=3)
+
+
+@pytest.mark.parametrize("sharding", ["flat", "even"])
+def test_a_param_without_elements(sharding):
+    _same_everywhere(run_world(_empty_param, 2, sharding))
+

@@ -147,7 +147,7 @@ class GradReducer:
             if pid is None:
                 return None
             ids.append(pid)
-            for r, start, length in sorted(owned[pid], key=lambda x: x[1]):
+            for r, start, length in sorted(owned.get(pid, ()), key=lambda x: x[1]):
                 if length:
                     _append_run(runs[r], offset + start, length)
             offset += p.numel()
@@ -158,7 +158,10 @@ class GradReducer:
                 "bucket layout; use DDP's default all-reduce")
         splits = [sum(n for _, n in rr) for rr in runs]
         cap = max(1, SEGMENT_BYTES // bucket.buffer().element_size())
-        count = max(1, -(-max(offset, world * max(splits)) // cap))
+        # by the bucket's size: an evenly split bucket then receives about `cap` elements
+        # per segment too; a plan that gives a bucket to one owner receives world x its
+        # share, segments or not (counting by that would issue world-fold collectives)
+        count = max(1, -(-offset // cap))
         bp = _BucketPlan(ident, self._owned[0], tuple(ids), splits,
                          [_segment([_part(rr, k, count) for rr in runs])
                           for k in range(count)])
@@ -174,8 +177,12 @@ class GradReducer:
         futs = [self._reduce_segment(buf, seg) for seg in bp.segments]
         if len(futs) == 1:
             return futs[0]
-        return torch.futures.collect_all(futs).then(
-            lambda f: ([x.wait() for x in f.wait()], buf)[1])
+        # (a future made here knows no CUDA streams unless told: DDP would read the bucket
+        # before the segments' sums on other streams are done)
+        result = _future_on(buf)
+        torch.futures.collect_all(futs).then(lambda f: _settle(
+            result, lambda: ([x.wait() for x in f.wait()], buf)[1]))
+        return result
 
     def _reduce_segment(self, buf: torch.Tensor, seg: _Segment) -> torch.futures.Future:
         seq, self.seq = self.seq, self.seq + 1
@@ -259,7 +266,7 @@ class GradReducer:
         # Hybrid: the owned sum is then all-reduced across the replicas. Futures complete
         # in any order, but collectives must be issued in the same order on every rank:
         # the segment order (DDP runs the hook bucket by bucket, alike everywhere).
-        result = torch.futures.Future()
+        result = _future_on(buf)
 
         def after_shard_sum(fut) -> None:
             try:
@@ -443,6 +450,12 @@ class _InOrder:
                 self.next += 1
 
 
+def _future_on(t: torch.Tensor) -> torch.futures.Future:
+    """A future whose completion orders `t`'s device streams (CUDA) as the collectives'
+    own futures do."""
+    return torch.futures.Future(devices=[t.device]) if t.is_cuda else torch.futures.Future()
+
+
 def _settle(result: torch.futures.Future, compute) -> None:
     try:
         result.set_result(compute())
@@ -516,8 +529,10 @@ def check_layout(reducer, bucket) -> None:
     its replica group); else which ranks hold the same elements is unknown and the averages
     would be wrong. The same on every rank."""
     opt = reducer.opt()
-    ddp = None if opt.process_group is None else _ddp_holding(bucket.parameters()[0])
-    reducer.ddp = None if ddp is None else weakref.ref(ddp)
+    found = None if opt.process_group is None else _ddp_holding(bucket.parameters()[0])
+    ddp = None if found is None else found[0]
+    # (the first-iteration shortcut needs the DDP that runs the hook: unknown among several)
+    reducer.ddp = None if found is None or len(found) > 1 else weakref.ref(ddp)
     if ddp is not None:
         theirs = sorted(dist.get_process_group_ranks(ddp.process_group))
         ours = sorted(dist.get_process_group_ranks(opt.process_group))
@@ -539,9 +554,10 @@ def check_layout(reducer, bucket) -> None:
 
 
 def _ddp_holding(param):
-    """The DDP model holding `param` that runs this hook (None if not found): GradBucket
-    does not tell which DDP calls the hook, and so neither its process group. One scan of
-    the live objects, once per optimizer."""
+    """The DDP models holding `param` that may run this hook (those with it registered, if
+    any), all over one process group; None if none or their groups differ: GradBucket does
+    not tell which DDP calls the hook, and so neither its process group. One scan of the
+    live objects, once per optimizer."""
     import gc
 
     from torch.nn.parallel import DistributedDataParallel
@@ -554,7 +570,7 @@ def _ddp_holding(param):
                                       for h, _ in getattr(o, "_comm_hooks", ()))]
     found = hooked or found
     groups = {tuple(sorted(dist.get_process_group_ranks(o.process_group))) for o in found}
-    return found[0] if len(groups) == 1 else None
+    return found if len(groups) == 1 else None
 
 
 def param_index(opt) -> dict[int, int]:

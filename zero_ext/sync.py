@@ -326,14 +326,28 @@ def exchange_gathers(ex: Exchanger, gathers: list[Gather],
         pending[lane] = None
         if g.direct:
             return
-        dsts, offs = [], []
+        # Per param, its chunks sit in column block [off, off + chunk) of the (world, size)
+        # parts, chunk j in row (first + j) % world: two block copies (the rows before and
+        # after the wrap), whatever the world, plus the short last chunk. (This rank's own
+        # chunk is copied onto itself: the same values.)
+        parts = recv.view(world, g.size)
         for pid, ranges, off in g.params:
-            for r, (lo, hi) in enumerate(ranges):
-                if r != me and hi > lo:
-                    dsts.append(view_of(pid, lo, hi - lo))
-                    offs.append(r * g.size + off)
-        if dsts:
-            kernels.unflatten_from(recv, dsts, offs)
+            chunk = max(hi - lo for lo, hi in ranges)
+            if chunk == 0:
+                continue
+            first = next(r for r, (lo, _) in enumerate(ranges) if lo == 0)
+            n = max(hi for _, hi in ranges)
+            full, tail = divmod(n, chunk)
+            dst = view_of(pid, 0, n)
+            head = min(full, world - first)
+            if head:
+                dst[:head * chunk].view(head, chunk).copy_(
+                    parts[first:first + head, off:off + chunk])
+            if full > head:
+                dst[head * chunk:full * chunk].view(full - head, chunk).copy_(
+                    parts[:full - head, off:off + chunk])
+            if tail:
+                dst[full * chunk:].copy_(parts[(first + full) % world, off:off + tail])
 
     for i, g in enumerate(gathers):
         lane = i % len(lanes)

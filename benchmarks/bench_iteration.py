@@ -4,9 +4,19 @@ with the bytes each rank sends counted.
     python benchmarks/bench_iteration.py                         # world 2, MLP and GPT-2
     python benchmarks/bench_iteration.py --world 2,3,4 --model mlp
     python benchmarks/bench_iteration.py --quick --model mlp     # smoke run, tiny sizes
+    python benchmarks/bench_iteration.py --world 4 --model mlp512 --sharding param,flat,even \
+        --modes ddp,torch_zero,zero_ext,zero_ext_rs --iters 3     # issue 24's critical path
+
+On a simulated cluster (netlab.sh W RATE_MBIT CMD: W ranks, each in its own network
+namespace behind a link rate-limited both ways; root), every process is one rank, with
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment (init_method env://,
+--launcher env, picked automatically when those are set); rank 0 prints the tables:
+
+    netlab.sh 4 400 python benchmarks/bench_iteration.py --model mlp512 \
+        --sharding param,flat,even --modes ddp,torch_zero,zero_ext,zero_ext_rs --out t.md
 
 Modes (every one on its own copy of the same seeded model, wrapped in torch's DDP with its
-defaults, AdamW lr 6e-4, betas (0.9, 0.95), nanoGPT's two groups: 2-D weights decay 0.1):
+defaults but bucket_cap_mb, AdamW lr 6e-4, betas (0.9, 0.95), nanoGPT's two groups: 2-D weights decay 0.1):
   ddp            DDP + torch.optim.AdamW(fused=True), unsharded: the baseline; clip with
                  torch.nn.utils.clip_grad_norm_
   torch_zero     torch's ZeroRedundancyOptimizer at its best: parameters_as_bucket_view=True,
@@ -18,10 +28,24 @@ defaults, AdamW lr 6e-4, betas (0.9, 0.95), nanoGPT's two groups: 2-D weights de
   zero_ext_overlap  zero_ext with overlap_with_ddp=True + hook_with_zero_step(allreduce_hook):
                  the step inside backward, no clip (the mode has no place for one), timed
                  after its 2 warm-up iterations without updates (+ --warmup more)
-The zero_ext modes run once per --sharding ("flat" by default; "param,flat" for both).
+  fsdp2          on request (--modes): torch's FSDP2, no DDP: fully_shard on every Linear
+                 (MLP) / block (GPT), then the root, over init_device_mesh("cpu", (W,)),
+                 reshard_after_forward=False (ZeRO-2-like: each unit's params all-gathered
+                 once, in forward; grads reduce-scattered in backward); AdamW fused=True
+                 over the DTensor shards, the same groups; clip with torch's
+                 clip_grad_norm_ over the DTensor grads (one scalar all-reduce)
+  fsdp2_reshard  fsdp2 with reshard_after_forward=True (ZeRO-3-like: the params gathered
+                 again in backward)
+The zero_ext modes run once per --sharding ("flat,even" by default; any of param, flat,
+even; a sharding this zero_ext lacks is left out with a note). "even" has no bucket views
+(zero_ext refuses parameters_as_bucket_view=True there): a mode that zero_ext refuses with
+bucket views is built without them; a combination it refuses outright (the same error on
+every rank) is skipped with a note.
 
 Models: "mlp", 8 x Linear(2048, 2048) with ReLU between (33.6M params), batch 16, loss the
-mean square of the output; "gpt2", GPT-2 small's shapes (benchmarks/model_shapes.py: width 768,
+mean square of the output; "mlp512", 8 x Linear(512, 512) (2.1M params), batch 16, with
+DDP's bucket_cap_mb 1 so that each Linear is one of 8 DDP buckets (--bucket-cap-mb sets it
+for every model; torch's 25 otherwise); "gpt2", GPT-2 small's shapes (benchmarks/model_shapes.py: width 768,
 12 heads, vocab 50257, tied head, HF's (in, out) weight layout) at --gpt-layers depth (default
 4, 67.7M params; 12 is the full 124M, which needs --sequential to fit 24 GB at world 2),
 --gpt-batch x --gpt-seq random tokens, cross-entropy.
@@ -46,14 +70,35 @@ against itself with 1-ulp nudges of 30% of the weights after step 1 differs by 1
 two steps later).
 
 Bytes: after the timing, one extra untimed iteration per mode runs with torch.distributed's
-Python collectives wrapped (common.WireCounter) and every call converted to the bytes this
-rank sends in the ring model (all_reduce 2(W-1)/W n, broadcast (W-1)/W n averaged over
-ranks, all_gather_into_tensor / reduce_scatter_tensor (W-1)/W of the full tensor,
-all_to_all_single exactly the elements sent to other ranks, send n). DDP's built-in
-all-reduce runs in C++ and is not seen, so the modes that use it (ddp, torch_zero, zero_ext)
-are counted on a fresh copy (same model, same warm-up) with torch's Python allreduce_hook
-registered, which issues the same all-reduce of the same buckets through dist.all_reduce.
-"MB sent/rank" is the mean over ranks (MB = 1e6 bytes), "x DDP bytes" the ratio to ddp's.
+Python collectives wrapped (common.CollectiveTrace), every call converted to the bytes each
+rank's link sends and receives under gloo's algorithms (all_reduce ring 2(W-1)/W n each way;
+broadcast straight from the root to every rank: the root sends (W-1) n, every other rank
+receives n; all_gather_into_tensor ring (W-1) n_in each way; reduce_scatter_tensor ring
+(W-1)/W n_in; all_to_all_single what the split sizes send to and receive from other ranks;
+point-to-point one way, a batch_isend_irecv one record), with the phase that issued it.
+DDP's built-in all-reduce runs in C++ and is not seen, so the modes that use it (ddp,
+torch_zero, zero_ext) are counted on a fresh copy (same model, same warm-up) with torch's
+Python allreduce_hook registered, which issues the same all-reduce of the same buckets
+through dist.all_reduce. "MB sent/rank" is the mean over ranks (MB = 1e6 bytes; the same as
+the ring model's mean: a broadcast's (W-1) n from one root is (W-1)/W n per rank), "x DDP
+bytes" the ratio to ddp's.
+
+FSDP2 issues its all-gathers and reduce-scatters through dist.all_gather_single /
+dist.reduce_scatter_single (counted like all_gather_into_tensor / reduce_scatter_tensor),
+and DTensor's clip its all-reduce through the functional collectives (counted as
+"funcol.<name>"); the FSDP2 modes' traces are checked against the process group's own count
+of collectives run (common.CheckedCollectiveTrace), and where some went unseen their bytes
+and critical path read "n/a". The FSDP2 modes' "exchange" is in forward (the all-gathers),
+not in the step; fsdp2_reshard's "grads" below also hold backward's re-gather of the params.
+
+Critical path: a collective lasts as long as its busiest rank's link (full duplex), so the
+critical path of the counted iteration is the sum over its collectives, in issue order, of
+the busiest rank's max(sent, received). The last table gives it, and the mean bytes per rank,
+in units of DDP's ring all-reduce of the grads (2(W-1)/W x the fp32 model), for the grads'
+exchange (what backward issued: DDP's all-reduce, the hook's exchange; with the overlap mode
+also its step) and for grads + params (the whole iteration: with clip's norm, the step's
+agreement and the params' exchange). Gloo's reduce_scatter_tensor is counted as a ring
+reduce-scatter, whatever gloo runs for it.
 
 Threads: every rank calls torch.set_num_threads(max(1, cores // world)) (--threads to
 override); at world 3 and 4 on 2 cores the ranks oversubscribe the cores: compare ratios
@@ -84,14 +129,32 @@ import torch.nn.functional as F  # noqa: E402
 import model_shapes  # noqa: E402
 from _zero_worker import BETAS, EPS, LR, WD, init_rank  # noqa: E402
 from bench_zero_step import _free_port, _prebuild  # noqa: E402
-from common import WireCounter, print_table  # noqa: E402
+from common import CheckedCollectiveTrace, CollectiveTrace, critical_path, print_table  # noqa: E402
 
-MODES = ("ddp", "torch_zero", "zero_ext", "zero_ext_rs", "zero_ext_overlap")
+MODES = ("ddp", "torch_zero", "zero_ext", "zero_ext_rs", "zero_ext_overlap")  # the default
+FSDP2_MODES = ("fsdp2", "fsdp2_reshard")  # on request (--modes): torch's fully_shard
+ALL_MODES = MODES + FSDP2_MODES
 ZERO_EXT_MODES = ("zero_ext", "zero_ext_rs", "zero_ext_overlap")
 BUILTIN_ALLREDUCE = ("ddp", "torch_zero", "zero_ext")  # DDP's C++ all-reduce when timed
 OVERLAP_WARMUP = 2  # torch's: DDP finalises its buckets, no update
 MAX_NORM = 1.0
 TABLE_HEADERS = ["mode", "ms/iter (median)", "x baseline", "MB sent/rank", "x DDP bytes"]
+CRITICAL_HEADERS = ["mode", "grads: critical path", "grads: mean bytes",
+                    "grads+params: critical path", "grads+params: mean bytes",
+                    "busiest collectives (grads+params)"]
+SHARDINGS = ("param", "flat", "even")
+GRADS_PHASES = ("backward",)  # DDP's all-reduce or the hook's exchange, issued in backward
+MODEL_NAMES = ("mlp", "mlp512", "gpt2")
+DEFAULT_BUCKET_CAP_MB = {"mlp512": 1.0}  # 8 DDP buckets: one Linear(512) each; else torch's 25
+
+
+def available_shardings() -> tuple:
+    """The sharding modes this zero_ext accepts (e.g. no "even" before it exists)."""
+    try:
+        from zero_ext.zero import SHARDING_MODES
+    except Exception:  # pragma: no cover - an unimportable zero_ext fails later, loudly
+        return ("param", "flat")
+    return tuple(m for m in SHARDING_MODES if m != "auto")
 
 
 # ----------------------------------------------------------------------------- models
@@ -165,6 +228,8 @@ def model_spec(name: str, opts: dict) -> dict:
     if name == "mlp":
         width, depth, batch = (256, 8, 4) if opts["quick"] else (2048, 8, 16)
         return {"name": name, "width": width, "depth": depth, "batch": batch}
+    if name == "mlp512":  # issue 24's cluster model: 2.1M params, 8 DDP buckets at 1 MB
+        return {"name": name, "width": 512, "depth": 8, "batch": 16}
     if name == "gpt2":
         d, _ = model_shapes.GPT2["small"]
         width_div, layers = (16, 2) if opts["quick"] else (1, opts["gpt_layers"])
@@ -177,7 +242,7 @@ def model_spec(name: str, opts: dict) -> dict:
 
 def build_model(spec: dict) -> torch.nn.Module:
     torch.manual_seed(0)  # every mode and every rank: the same weights
-    if spec["name"] == "mlp":
+    if spec["name"] in ("mlp", "mlp512"):
         return MLP(spec["width"], spec["depth"])
     model = GPT(spec["d"], spec["layers"], spec["vocab"], spec["context"])
     if spec["vocab"] == model_shapes.VOCAB:  # the shapes are GPT-2 small's, layer for layer
@@ -192,7 +257,7 @@ def build_model(spec: dict) -> torch.nn.Module:
 def make_batches(spec: dict, rank: int, n: int = 4) -> list:
     """n batches of this rank (its own data, as in data parallelism), cycled."""
     g = torch.Generator().manual_seed(1000 + rank)
-    if spec["name"] == "mlp":
+    if spec["name"] in ("mlp", "mlp512"):
         return [torch.randn(spec["batch"], spec["width"], generator=g) for _ in range(n)]
     shape = (spec["batch"], spec["seq"])
     return [(torch.randint(spec["vocab"], shape, generator=g),
@@ -206,10 +271,33 @@ def param_groups(model) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- modes
+_MESH = {}
+
+
+def cpu_mesh():
+    """FSDP2's 1-D device mesh over the whole (gloo, CPU) world, built once per process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world not in _MESH:
+        _MESH[world] = init_device_mesh("cpu", (world,))
+    return _MESH[world]
+
+
+def fsdp2_units(model) -> list:
+    """The modules that get their own fully_shard (one all-gather / reduce-scatter group
+    each) before the root: every Linear of the MLP, every block of the GPT."""
+    return list(model.layers) if isinstance(model, MLP) else list(model.h)
+
+
 class Runner:
     """One mode: its DDP model, optimizer, hooks, and an iteration that records phases."""
 
-    def __init__(self, mode: str, sharding: str, spec: dict, python_allreduce: bool):
+    def __init__(self, mode: str, sharding: str, spec: dict, python_allreduce: bool,
+                 bucket_cap_mb: float = 25.0):
+        if mode in FSDP2_MODES:
+            self._init_fsdp2(mode, spec)
+            return
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -218,7 +306,8 @@ class Runner:
         from zero_ext.ddp_zero_hook import hook_with_zero_step, reduce_scatter_hook
 
         self.mode, self.sharding = mode, sharding
-        self.ddp = DDP(build_model(spec))
+        self.ddp = DDP(build_model(spec), bucket_cap_mb=bucket_cap_mb)
+        self.bucket_view = mode in ZERO_EXT_MODES
         groups = param_groups(self.ddp.module)
         hp = dict(lr=LR, betas=BETAS, eps=EPS)
         self.exchange_s = 0.0
@@ -229,9 +318,17 @@ class Runner:
                                  fused=True, **hp)
             self.opt._sync_params = self._timed(self.opt._sync_params)
         else:
-            self.opt = ZeroRedundancyOptimizer(
-                groups, torch.optim.AdamW, parameters_as_bucket_view=True, sharding=sharding,
-                overlap_with_ddp=mode == "zero_ext_overlap", **hp)
+            def build(view: bool):
+                return ZeroRedundancyOptimizer(
+                    groups, torch.optim.AdamW, parameters_as_bucket_view=view,
+                    sharding=sharding, overlap_with_ddp=mode == "zero_ext_overlap", **hp)
+            try:
+                self.opt = build(True)
+            except ValueError as exc:  # a mode without bucket views ("even": in the params)
+                if "parameters_as_bucket_view" not in str(exc):
+                    raise
+                self.bucket_view = False
+                self.opt = build(False)
         if mode == "zero_ext_rs":
             self.ddp.register_comm_hook(self.opt, reduce_scatter_hook)
         elif mode == "zero_ext_overlap":
@@ -241,6 +338,25 @@ class Runner:
                                                                   self.opt))
         elif python_allreduce:  # counting: DDP's all-reduce, issued from Python
             self.ddp.register_comm_hook(None, allreduce_hook)
+
+    def _init_fsdp2(self, mode: str, spec: dict) -> None:
+        """torch's FSDP2: fully_shard on every unit, then the root, over the CPU mesh;
+        reshard_after_forward False (fsdp2: the params stay gathered from forward to
+        backward, ZeRO-2-like) or True (fsdp2_reshard: gathered again in backward,
+        ZeRO-3-like); AdamW fused=True over the DTensor shards (it runs on CPU DTensors)."""
+        from torch.distributed.fsdp import fully_shard
+
+        self.mode, self.sharding = mode, "-"
+        self.exchange_s = 0.0
+        self.bucket_view = False
+        model = build_model(spec)
+        kw = dict(mesh=cpu_mesh(), reshard_after_forward=mode == "fsdp2_reshard")
+        for unit in fsdp2_units(model):
+            fully_shard(unit, **kw)
+        fully_shard(model, **kw)
+        self.ddp = model  # what iteration() calls: the fully sharded model
+        self.opt = torch.optim.AdamW(param_groups(model), fused=True, lr=LR, betas=BETAS,
+                                     eps=EPS)
 
     @property
     def label(self) -> str:
@@ -255,22 +371,32 @@ class Runner:
                 self.exchange_s += time.perf_counter() - t0
         return timed
 
-    def iteration(self, batch) -> dict:
+    def iteration(self, batch, trace: CollectiveTrace | None = None) -> dict:
+        def phase(name: str) -> None:
+            if trace is not None:
+                trace.phase = name
+
         self.exchange_s = 0.0
+        phase("forward")
         t0 = time.perf_counter()
         loss = self.ddp(batch)
         t1 = time.perf_counter()
+        phase("backward")
         loss.backward()
         t2 = time.perf_counter()
         if self.mode != "zero_ext_overlap":  # the overlap mode stepped inside backward
-            if self.mode in ("ddp", "torch_zero"):
+            phase("clip")
+            if self.mode in ("ddp", "torch_zero") + FSDP2_MODES:  # FSDP2: over DTensors
                 torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), MAX_NORM)
             else:
                 self.opt.clip_grad_norm_(MAX_NORM)
+            phase("step")
             self.opt.step()
             if self.mode in ("zero_ext", "zero_ext_rs"):
-                self.exchange_s = self.opt.last_step_timings["comm"]
+                self.exchange_s = self.opt.last_step_timings.get("comm", 0.0)
+        phase("step")
         self.opt.zero_grad(set_to_none=True)
+        phase("")
         t3 = time.perf_counter()
         return {"total": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2,
                 "exchange": self.exchange_s}
@@ -279,6 +405,8 @@ class Runner:
         return extra + (OVERLAP_WARMUP if self.mode == "zero_ext_overlap" else 0)
 
     def params(self) -> list[torch.Tensor]:
+        if self.mode in FSDP2_MODES:  # the full params (an all-gather each, on every rank)
+            return [p.detach().full_tensor() for p in self.ddp.parameters()]
         return [p.detach() for p in self.ddp.module.parameters()]
 
 
@@ -289,6 +417,19 @@ def _cases(opts) -> list[tuple[str, str]]:
         for sharding in (opts["shardings"] if mode in ZERO_EXT_MODES else ["-"]):
             out.append((mode, sharding))
     return out
+
+
+def build_runner(mode: str, sharding: str, spec: dict, opts: dict,
+                 python_allreduce: bool) -> Runner | None:
+    """The mode's Runner, or None (said once, by rank 0) where zero_ext refuses the
+    combination: its checks agree across ranks, so every rank raises and skips alike."""
+    try:
+        return Runner(mode, sharding, spec, python_allreduce=python_allreduce,
+                      bucket_cap_mb=opts["bucket_cap_mb"][spec["name"]])
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        if dist.get_rank() == 0:
+            print(f"# skipped {mode} ({sharding}): {type(exc).__name__}: {exc}", flush=True)
+        return None
 
 
 def time_modes(cases, spec, batches, opts) -> dict:
@@ -302,7 +443,9 @@ def time_modes(cases, spec, batches, opts) -> dict:
     record: dict = {}
     if opts["sequential"]:
         for mode, sharding in cases:
-            r = Runner(mode, sharding, spec, python_allreduce=False)
+            r = build_runner(mode, sharding, spec, opts, python_allreduce=False)
+            if r is None:
+                continue
             w = r.warmup_iterations(opts["warmup"])
             for i in range(w + opts["iters"]):
                 run_one(r, i, i >= w, record)
@@ -310,7 +453,9 @@ def time_modes(cases, spec, batches, opts) -> dict:
             del r
             gc.collect()
         return record
-    runners = [Runner(mode, sharding, spec, python_allreduce=False) for mode, sharding in cases]
+    runners = [build_runner(mode, sharding, spec, opts, python_allreduce=False)
+               for mode, sharding in cases]
+    runners = [r for r in runners if r is not None]
     steps = {id(r): 0 for r in runners}
     rounds = max(r.warmup_iterations(opts["warmup"]) for r in runners) + opts["iters"]
     for i in range(rounds):
@@ -332,33 +477,67 @@ def time_modes(cases, spec, batches, opts) -> dict:
 
 
 def count_bytes(cases, spec, batches, opts) -> dict:
-    """{label: {"bytes": sent, "calls": {name: [calls, bytes]}}}: one counted iteration per
-    mode, after the same warm-up as the timed runs, on a fresh copy whose DDP all-reduce
-    runs from Python (torch's allreduce_hook) for the modes that use DDP's own."""
+    """{label: {"bytes": sent, "calls": {name: [calls, bytes sent]}, "trace": records}}: one
+    traced iteration per mode (common.CollectiveTrace: this rank's link bytes per
+    collective, in issue order, with the phase that issued it), after the same warm-up as
+    the timed runs, on a fresh copy whose DDP all-reduce runs from Python (torch's
+    allreduce_hook) for the modes that use DDP's own."""
     out = {}
     for mode, sharding in cases:
-        r = Runner(mode, sharding, spec, python_allreduce=mode in BUILTIN_ALLREDUCE)
+        r = build_runner(mode, sharding, spec, opts,
+                         python_allreduce=mode in BUILTIN_ALLREDUCE)
+        if r is None:
+            continue
         # 2 warm-up iterations: DDP rebuilds its buckets after the first one
         w = r.warmup_iterations(2)
         for i in range(w):
             r.iteration(batches[i % len(batches)])
         dist.barrier()
-        with WireCounter() as wc:
-            r.iteration(batches[w % len(batches)])
-        out[r.label] = {"bytes": wc.total, "calls": wc.by_name()}
+        checked = mode in FSDP2_MODES  # their trace holds tensor collectives only: exact
+        with (CheckedCollectiveTrace() if checked else CollectiveTrace()) as tr:
+            r.iteration(batches[w % len(batches)], trace=tr)
+        calls: dict = {}
+        for _key, name, _phase, sent, _recv in tr.records:
+            c = calls.setdefault(name, [0, 0])
+            c[0] += 1
+            c[1] += sent
+        out[r.label] = {"bytes": sum(c[1] for c in calls.values()), "calls": calls,
+                        "trace": tr.records,
+                        # collectives the trace did not see (None: not checked)
+                        "missed": sum(tr.missed.values()) if checked else None}
         del r
         gc.collect()
     return out
 
 
+def init_from_env(opts: dict) -> tuple[int, int]:
+    """A rank started by a launcher (netlab.sh, torchrun): RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT (and GLOO_SOCKET_IFNAME) from the environment, init_method env://."""
+    import datetime
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
+    torch.set_num_threads(opts["threads"])
+    dist.init_process_group("gloo", init_method="env://",
+                            timeout=datetime.timedelta(seconds=opts["timeout"]))
+    return dist.get_rank(), dist.get_world_size()
+
+
 def run(rank: int, world: int, opts: dict, out_path: str) -> None:
-    init_rank(rank, world, opts)
+    if opts["env"]:
+        rank, world = init_from_env(opts)
+    else:
+        init_rank(rank, world, opts)
     try:
         import torch.distributed.optim  # noqa: F401  (slow first import: not an iteration)
 
         import zero_ext
 
+        if opts["env"] and rank != 0:
+            dist.barrier()  # rank 0 builds / loads the native ops first (one JIT build)
         zero_ext.load_native()
+        if opts["env"] and rank == 0:
+            dist.barrier()
         results = {}
         for name in opts["models"]:
             spec = model_spec(name, opts)
@@ -382,7 +561,8 @@ def run(rank: int, world: int, opts: dict, out_path: str) -> None:
         dist.all_gather_object(gathered, {"rank": rank, "results": results})
         if rank == 0:
             with open(out_path, "w") as f:
-                json.dump({"world": world, "threads": opts["threads"], "ranks": gathered}, f)
+                json.dump({"world": world, "threads": opts["threads"], "ranks": gathered,
+                           "bucket_cap_mb": opts["bucket_cap_mb"]}, f)
     finally:
         dist.destroy_process_group()
 
@@ -404,12 +584,49 @@ def summarize(data: dict, model: str) -> dict:
         n = min(len(p) for p in phases)
         med = {k: statistics.median(max(p[i][k] for p in phases) for i in range(n))
                for k in phases[0][0]}
-        sent = [pr["counted"][label]["bytes"] for pr in per_rank]
+        counted = [pr["counted"][label] for pr in per_rank]
+        sent = [c["bytes"] for c in counted]
         diffs = [pr["timed"][label].get("max_abs_diff") for pr in per_rank]
+        # per collective name: calls (rank 0) and bytes sent per rank (mean over ranks)
+        calls = {k: [c, sum(cr["calls"].get(k, [0, 0])[1] for cr in counted) / world]
+                 for k, (c, _) in counted[0]["calls"].items()}
+        missed = [c.get("missed") for c in counted]
         rows[label] = {"median": med, "iters": n, "sent_mean": sum(sent) / world,
-                       "sent_max": max(sent), "calls": per_rank[0]["counted"][label]["calls"],
-                       "max_abs_diff": None if diffs[0] is None else max(diffs)}
-    return {"world": world, "numel": numel, "rows": rows, "spec": per_rank[0]["spec"]}
+                       "sent_max": max(sent), "calls": calls,
+                       "max_abs_diff": None if diffs[0] is None else max(diffs),
+                       # collectives the trace missed on some rank (None: not checked);
+                       # where any, the bytes and the critical path read "n/a"
+                       "missed": None if missed[0] is None else max(missed)}
+        rows[label].update(link_summary([c["trace"] for c in counted], world, numel))
+    ddp = per_rank[0]["counted"].get("ddp")
+    buckets = None if ddp is None else sum(
+        1 for _k, name, ph, _s, _r in ddp["trace"] if name == "all_reduce" and ph == "backward")
+    return {"world": world, "numel": numel, "rows": rows, "spec": per_rank[0]["spec"],
+            "ddp_buckets": buckets, "bucket_cap_mb": data.get("bucket_cap_mb", {}).get(model)}
+
+
+def link_summary(traces: list, world: int, numel: int) -> dict:
+    """Critical path and mean bytes per rank of the traced iteration, in units of DDP's
+    ring all-reduce of the grads (critical path 2(W-1)/W x the fp32 model): the grads'
+    exchange (what backward issued) and the whole iteration (grads + clip + the params'
+    exchange); and the collective names that make up the critical path."""
+    unit = 2 * (world - 1) / world * numel * 4 or 1.0
+    grads = critical_path(traces, GRADS_PHASES)
+    total = critical_path(traces)
+    by_name: dict = {}
+    busiest: dict = {}
+    for records in traces:
+        for key, name, _ph, s, v in records:
+            k = tuple(tuple(x) if isinstance(x, list) else x for x in key)
+            if max(s, v) >= busiest.get(k, (-1, ""))[0]:
+                busiest[k] = (max(s, v), name)
+    for b, name in busiest.values():
+        c = by_name.setdefault(name, [0, 0.0])
+        c[0] += 1
+        c[1] += b / unit
+    return {"crit_grads": grads["critical"] / unit, "mean_grads": grads["mean_sent"] / unit,
+            "crit_iter": total["critical"] / unit, "mean_iter": total["mean_sent"] / unit,
+            "crit_by_name": by_name}
 
 
 def tables(summary: dict, file=None) -> str:
@@ -420,30 +637,36 @@ def tables(summary: dict, file=None) -> str:
     main, parts, colls = [], [], []
     for label, r in rows.items():
         t = r["median"]["total"]
+        na = bool(r.get("missed"))  # the trace missed collectives: no byte counts
         main.append([label, _ms(t),
                      f"{t / base['median']['total']:.2f}x" if base else "-",
-                     f"{r['sent_mean'] / 1e6:.2f}",
+                     "n/a" if na else f"{r['sent_mean'] / 1e6:.2f}",
+                     "n/a" if na else
                      f"{r['sent_mean'] / base['sent_mean']:.3f}x" if base and base["sent_mean"]
                      else "-"])
         m = r["median"]
         overlap = label.startswith("zero_ext_overlap")
+        fsdp2 = label in FSDP2_MODES
         parts.append([label, _ms(m["forward"]), _ms(m["backward"]),
                       "in backward" if overlap else _ms(m["step"]),
+                      "in forward" if fsdp2 else
                       _ms(m["exchange"]) if not label.startswith("ddp") else "-",
                       "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}"])
-        colls.append([label, ", ".join(f"{k} x{c} {b / 1e6:.2f} MB"
-                                       for k, (c, b) in sorted(r["calls"].items())),
-                      f"{r['sent_max'] / 1e6:.2f}"])
+        colls.append([label, (f"n/a ({r['missed']} collective(s) not traced)" if na else
+                              ", ".join(f"{k} x{c} {b / 1e6:.2f} MB"
+                                        for k, (c, b) in sorted(r["calls"].items()))),
+                      "n/a" if na else f"{r['sent_max'] / 1e6:.2f}"])
     spec = summary["spec"]
     what = (f"MLP {spec['depth']} x Linear({spec['width']}, {spec['width']}), batch "
-            f"{spec['batch']}" if spec["name"] == "mlp" else
+            f"{spec['batch']}" if spec["name"] in ("mlp", "mlp512") else
             f"GPT-2 small shapes, {spec['layers']} layers, width {spec['d']}, vocab "
             f"{spec['vocab']}, batch {spec['batch']} x {spec['seq']} tokens")
     cores = (f" ({world} ranks x {summary['threads']} thread(s) oversubscribe the cores)"
              if summary.get("oversubscribed") else "")
     title = (f"Whole iteration, {what}: {numel:,} fp32 params; world {world}{cores}, gloo; median "
              f"of {min(r['iters'] for r in rows.values())} iterations (slowest rank). Bytes "
-             f"counted in one iteration, ring model; DDP's all-reduce counted through torch's "
+             f"counted in one iteration (mean over ranks), gloo's algorithms; DDP's all-reduce "
+             f"counted through torch's "
              f"Python allreduce_hook (ring all-reduce of the model: "
              f"{ddp_ring / 1e6:.2f} MB/rank):")
     text = print_table(title, TABLE_HEADERS, main, file=file)
@@ -452,19 +675,48 @@ def tables(summary: dict, file=None) -> str:
         "zero_grad; exchange = the updated params' exchange inside it):",
         ["mode", "forward", "backward", "step", "exchange", "max abs diff vs ddp"], parts,
         file=file)
-    text += "\n" + print_table("Collectives counted in one iteration (rank 0; wire bytes):",
+    text += "\n" + print_table("Collectives counted in one iteration (calls on rank 0; "
+                               "MB sent per rank, mean over ranks):",
                                ["mode", "calls", "max MB sent by a rank"], colls, file=file)
+    crit = []
+    for label, r in rows.items():
+        if "crit_grads" not in r:
+            continue
+        parts_ = sorted(r["crit_by_name"].items(), key=lambda kv: -kv[1][1])
+        if r.get("missed"):
+            crit.append([label] + ["n/a"] * (len(CRITICAL_HEADERS) - 1))
+            continue
+        crit.append([label, f"{r['crit_grads']:.3f}x", f"{r['mean_grads']:.3f}x",
+                     f"{r['crit_iter']:.3f}x", f"{r['mean_iter']:.3f}x",
+                     ", ".join(f"{k} x{c} {v:.3f}x" for k, (c, v) in parts_ if v >= 0.0005)])
+    buckets = summary.get("ddp_buckets")
+    text += "\n" + print_table(
+        f"Critical path of the traced iteration (per collective, in issue order, the busiest "
+        f"rank's max(sent, received) under gloo's algorithms, summed), and the mean bytes a "
+        f"rank sends, both in units of DDP's ring all-reduce of the grads "
+        f"({ddp_ring / 1e6:.2f} MB; world {world}"
+        + (f", {buckets} DDP buckets" if buckets is not None else "")
+        + (f", bucket_cap_mb {summary['bucket_cap_mb']}" if summary.get("bucket_cap_mb")
+           else "")
+        + "); grads = what backward issued, grads+params = the whole iteration:",
+        CRITICAL_HEADERS, crit, file=file)
     return text
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--world", default="2", help="comma-separated world sizes")
-    ap.add_argument("--model", default="mlp,gpt2", help="comma-separated: mlp, gpt2")
-    ap.add_argument("--modes", default=",".join(MODES), help="subset of the modes")
-    ap.add_argument("--sharding", default="flat",
-                    help="zero_ext's sharding for its modes: flat, param or param,flat")
+    ap.add_argument("--world", default="2", help="comma-separated world sizes (spawned ranks; "
+                    "ignored when the ranks come from the environment)")
+    ap.add_argument("--model", default="mlp,gpt2", help="comma-separated: mlp, mlp512, gpt2")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma-separated, of {', '.join(ALL_MODES)} (FSDP2's only on request)")
+    ap.add_argument("--sharding", default="flat,even",
+                    help="zero_ext's shardings for its modes, comma-separated, of param, flat, "
+                    "even (those this zero_ext lacks are left out, with a note)")
+    ap.add_argument("--bucket-cap-mb", type=float, default=0.0,
+                    help="DDP's bucket_cap_mb for every mode (0: 1 MB for mlp512, giving 8 "
+                    "buckets, torch's 25 otherwise)")
     ap.add_argument("--iters", type=int, default=10, help="timed iterations per mode")
     ap.add_argument("--warmup", type=int, default=2,
                     help="untimed iterations per mode (the overlap mode: 2 more)")
@@ -476,34 +728,65 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: auto)")
     ap.add_argument("--timeout", type=int, default=600, help="gloo timeout, seconds")
+    ap.add_argument("--launcher", choices=("auto", "spawn", "env"), default="auto",
+                    help="spawn: this process starts --world ranks on localhost; env: this "
+                    "process is one rank, RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from "
+                    "the environment (netlab.sh, torchrun); auto: env when those are set")
     ap.add_argument("--out", default="", help="write the tables (markdown) here")
     ap.add_argument("--json", default="", help="write the summaries (JSON) here")
     args = ap.parse_args(argv)
 
-    worlds = [int(w) for w in args.world.split(",") if w.strip()]
     models = [m.strip() for m in args.model.split(",") if m.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES] + [m for m in models if m not in ("mlp", "gpt2")]
+    shardings = [x.strip() for x in args.sharding.split(",") if x.strip()]
+    bad = ([m for m in modes if m not in ALL_MODES] + [m for m in models if m not in MODEL_NAMES]
+           + [x for x in shardings if x not in SHARDINGS])
     if bad:
-        ap.error(f"unknown mode(s)/model(s): {bad}")
+        ap.error(f"unknown mode(s)/model(s)/sharding(s): {bad}")
+    have = available_shardings()
+    missing = [x for x in shardings if x not in have]
+    shardings = [x for x in shardings if x in have]
     if args.quick:
         args.iters, args.warmup = min(args.iters, 3), min(args.warmup, 1)
+    env_keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    from_env = args.launcher == "env" or (args.launcher == "auto"
+                                          and all(k in os.environ for k in env_keys))
+    env_rank = int(os.environ.get("RANK", "0")) if from_env else 0
+    worlds = ([int(os.environ["WORLD_SIZE"])] if from_env else
+              [int(w) for w in args.world.split(",") if w.strip()])
     cores = os.cpu_count() or 1
-    print(f"# whole iteration: torch {torch.__version__}, gloo on localhost, {cores} cores; "
-          f"{_prebuild()}", flush=True)
+    say = env_rank == 0
+    if say:
+        where = (f"ranks from the environment (MASTER_ADDR {os.environ.get('MASTER_ADDR')}, "
+                 f"GLOO_SOCKET_IFNAME {os.environ.get('GLOO_SOCKET_IFNAME', '-')})"
+                 if from_env else "gloo on localhost")
+        print(f"# whole iteration: torch {torch.__version__}, {where}, {cores} cores; "
+              f"{_prebuild() if not from_env else 'native ops loaded by rank 0 first'}",
+              flush=True)
+        if missing:
+            print(f"# sharding(s) {missing} left out: this zero_ext has {list(have)}",
+                  flush=True)
     texts, summaries = [], []
     for world in worlds:
         threads = args.threads or max(1, cores // world)
-        opts = {"threads": threads, "port": _free_port(), "timeout": args.timeout,
-                "models": models, "modes": modes,
-                "shardings": [s.strip() for s in args.sharding.split(",") if s.strip()],
+        opts = {"threads": threads, "port": 0 if from_env else _free_port(),
+                "timeout": args.timeout, "models": models, "modes": modes,
+                "shardings": shardings, "env": from_env,
+                "bucket_cap_mb": {m: args.bucket_cap_mb or DEFAULT_BUCKET_CAP_MB.get(m, 25.0)
+                                  for m in models},
                 "iters": args.iters, "warmup": args.warmup, "quick": args.quick,
                 "sequential": args.sequential, "gpt_layers": args.gpt_layers,
                 "gpt_batch": args.gpt_batch, "gpt_seq": args.gpt_seq}
         fd, out = tempfile.mkstemp(prefix=f"iteration_w{world}_", suffix=".json")
         os.close(fd)
         t0 = time.perf_counter()
-        mp.spawn(run, args=(world, opts, out), nprocs=world, join=True)
+        if from_env:
+            run(env_rank, world, opts, out)
+            if env_rank != 0:
+                os.unlink(out)
+                return 0
+        else:
+            mp.spawn(run, args=(world, opts, out), nprocs=world, join=True)
         with open(out) as f:
             data = json.load(f)
         os.unlink(out)
@@ -513,6 +796,7 @@ def main(argv=None) -> int:
         for model in models:
             s = summarize(data, model)
             s["threads"], s["oversubscribed"] = threads, bool(over)
+            s["launcher"] = "env" if from_env else "spawn"
             summaries.append(s)
             texts.append(tables(s))
     if args.out:

@@ -232,3 +232,375 @@ class WireCounter:
             c[0] += 1
             c[1] += b
         return out
+
+
+# ----------------------------------------------------------------------------- link bytes
+# Per rank and per collective call, the bytes a rank's link sends and receives under the
+# algorithm gloo actually runs (not the ring average of ring_wire_bytes): a collective
+# lasts as long as its busiest link, so the critical path of an iteration is the sum over
+# its collectives, in issue order, of the busiest rank's max(sent, received).
+TRACED_COLLECTIVES = WIRE_COLLECTIVES + (
+    "all_gather_single", "reduce_scatter_single", "reduce_scatter", "all_to_all", "gather",
+    "scatter", "batch_isend_irecv", "send_object_list", "recv_object_list",
+    "scatter_object_list")
+P2P_NAMES = ("send", "isend", "recv", "irecv", "batch_isend_irecv", "send_object_list",
+             "recv_object_list")
+_AFTER_CALL = ("broadcast_object_list", "recv_object_list", "scatter_object_list")
+
+
+def _group_rank(group, global_rank, group_rank):
+    import torch.distributed as dist
+
+    if group_rank is not None:
+        return group_rank
+    if global_rank is None:
+        return 0
+    return global_rank if group is None else dist.get_group_rank(group, global_rank)
+
+
+def _pickled(obj) -> int:
+    import pickle
+
+    try:
+        return len(pickle.dumps(obj))
+    except Exception:  # an unpicklable object fails in the call itself
+        return 0
+
+
+def gloo_link_bytes(name: str, bound: Dict[str, object]) -> tuple:
+    """(sent, received) bytes of this rank's link for one call of
+    ``torch.distributed.<name>`` with arguments ``bound`` (defaults included), under gloo's
+    algorithms: all_reduce ring, 2(W-1)/W n each way; broadcast from the root to every rank
+    directly, so the root sends (W-1) n and every other rank receives n (reduce, gather
+    and scatter likewise go straight between the root and each rank);
+    all_gather_into_tensor / all_gather ring, (W-1) n_in each way; reduce_scatter_tensor
+    ring, (W-1)/W n_in each way; all_to_all_single: the elements of the input splits for
+    other ranks sent, of the output splits from other ranks received (equal splits when
+    none are given); point-to-point: the tensor's bytes one way. Object collectives count
+    their pickled size (the small size tensors that precede them are left out)."""
+    import torch.distributed as dist
+
+    group = bound.get("group")
+    if name == "batch_isend_irecv":
+        from torch.distributed import distributed_c10d as c10d
+
+        sent = recv = 0
+        for op in bound["p2p_op_list"]:
+            if op.op is c10d.isend:
+                sent += tensor_bytes(op.tensor)
+            else:
+                recv += tensor_bytes(op.tensor)
+        return sent, recv
+    if name in ("send", "isend"):
+        return tensor_bytes(bound["tensor"]), 0
+    if name in ("recv", "irecv"):
+        return 0, tensor_bytes(bound["tensor"])
+    if name == "send_object_list":
+        return _pickled(list(bound["object_list"])), 0
+    if name == "recv_object_list":
+        return 0, _pickled(list(bound["object_list"]))
+    world = dist.get_world_size(group)
+    if world <= 1 or name == "barrier":
+        return 0, 0
+    me = dist.get_rank(group)
+    frac = (world - 1) / world
+    if name == "all_reduce":
+        n = round(2 * frac * tensor_bytes(bound["tensor"]))
+        return n, n
+    if name in ("broadcast", "broadcast_object_list", "scatter", "scatter_object_list"):
+        root = _group_rank(group, bound.get("src"), bound.get("group_src"))
+        if name == "broadcast":
+            n = tensor_bytes(bound["tensor"])
+        elif name == "broadcast_object_list":
+            n = _pickled(list(bound["object_list"]))  # after the call: filled everywhere
+        elif name == "scatter":
+            n = tensor_bytes(bound["tensor"])
+        else:
+            n = _pickled(list(bound["scatter_object_output_list"]))
+        return ((world - 1) * n, 0) if me == root else (0, n)
+    if name in ("reduce", "gather", "gather_object"):
+        root = _group_rank(group, bound.get("dst"), bound.get("group_dst"))
+        n = (_pickled(bound["obj"]) if name == "gather_object"
+             else tensor_bytes(bound["tensor"]))
+        return (0, (world - 1) * n) if me == root else (n, 0)
+    if name in ("all_gather_into_tensor", "all_gather_single", "all_gather"):
+        key = "tensor" if name == "all_gather" else "input_tensor"
+        n = (world - 1) * tensor_bytes(bound[key])
+        return n, n
+    if name == "all_gather_object":
+        n = (world - 1) * _pickled(bound["obj"])
+        return n, n
+    if name in ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter"):
+        full = tensor_bytes(bound["input" if name != "reduce_scatter" else "input_list"])
+        n = round(frac * full)
+        return n, n
+    if name == "all_to_all_single":
+        inp, out = bound["input"], bound["output"]
+        ins, outs = bound.get("input_split_sizes"), bound.get("output_split_sizes")
+
+        def moved(t, splits):
+            if not splits:
+                return round(frac * tensor_bytes(t))
+            row = t.element_size() * (t[0].numel() if t.dim() > 1 else 1)
+            return row * sum(int(n) for r, n in enumerate(splits) if r != me)
+
+        return moved(inp, ins), moved(out, outs)
+    if name == "all_to_all":
+        ins, outs = bound["input_tensor_list"], bound["output_tensor_list"]
+        return (sum(tensor_bytes(t) for r, t in enumerate(ins) if r != me),
+                sum(tensor_bytes(t) for r, t in enumerate(outs) if r != me))
+    return 0, 0
+
+
+class CollectiveTrace:
+    """While open, wraps torch.distributed's Python collectives (the module attributes that
+    code calls as ``dist.all_reduce(...)``) and records, per call in issue order, this
+    rank's link bytes (:func:`gloo_link_bytes`) with the current :attr:`phase` (set it, e.g.
+    "forward" / "backward" / "step", as the iteration goes). ``dist.P2POp`` is replaced
+    by a subclass that accepts the wrapped isend/irecv, and ``batch_isend_irecv`` is one
+    record (a list of P2POps is one step of an algorithm). Collectives issued from C++
+    (DDP's built-in all-reduce) are not seen: register a Python comm hook for them.
+
+    Records are ``[key, name, phase, sent, received]``; ``key`` matches the same
+    collective across ranks: ``["c", group ranks, k]`` for the k-th collective on a group,
+    ``["p", n, j]`` for the j-th point-to-point call after this rank's n-th collective.
+    Gather every rank's :attr:`records` and pass them to :func:`critical_path`."""
+
+    def __init__(self):
+        self.records: List[list] = []
+        self.phase = ""
+        self._saved: Dict[str, object] = {}
+        self._per_group: Dict[tuple, int] = {}
+        self._ncoll = 0
+        self._np2p = 0
+
+    def _key(self, name: str, group) -> list:
+        import torch.distributed as dist
+
+        if name in P2P_NAMES:
+            key = ["p", self._ncoll, self._np2p]
+            self._np2p += 1
+            return key
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+        if ranks == tuple(range(dist.get_world_size())):
+            ranks = ()  # the default group, passed or not
+        k = self._per_group.get(ranks, 0)
+        self._per_group[ranks] = k + 1
+        self._ncoll += 1
+        self._np2p = 0
+        return ["c", list(ranks), k]
+
+    def __enter__(self) -> "CollectiveTrace":
+        import inspect
+
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        unwrap: Dict[int, Callable] = {}
+        for name in TRACED_COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is None or not callable(fn):
+                continue
+            self._saved[name] = fn
+            sig = inspect.signature(fn)
+
+            def wrapper(*args, __name=name, __fn=fn, __sig=sig, **kwargs):
+                bound = __sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                args_ = bound.arguments
+                key = self._key(__name, args_.get("group"))
+                rec = [key, __name, self.phase, 0, 0]
+                self.records.append(rec)
+                if __name not in _AFTER_CALL:
+                    rec[3], rec[4] = gloo_link_bytes(__name, args_)
+                out = __fn(*args, **kwargs)
+                if __name in _AFTER_CALL:
+                    rec[3], rec[4] = gloo_link_bytes(__name, args_)
+                return out
+
+            wrapper.__name__ = getattr(fn, "__name__", name)
+            setattr(dist, name, wrapper)
+            if name in ("isend", "irecv"):
+                unwrap[id(wrapper)] = getattr(c10d, name)
+                unwrap[id(fn)] = getattr(c10d, name)
+        real_p2pop = dist.P2POp
+        self._saved["P2POp"] = real_p2pop
+
+        class P2POp(real_p2pop):  # accepts the wrapped isend / irecv
+            def __new__(cls, op, *args, **kwargs):
+                return real_p2pop.__new__(cls, unwrap.get(id(op), op), *args, **kwargs)
+
+            def __init__(self, op, *args, **kwargs):
+                super().__init__(unwrap.get(id(op), op), *args, **kwargs)
+
+        dist.P2POp = P2POp
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved = {}
+
+
+def critical_path(per_rank: Sequence[Sequence[list]],
+                  phases: Optional[Sequence[str]] = None) -> Dict[str, float]:
+    """From every rank's :class:`CollectiveTrace` records (rank order), restricted to
+    ``phases`` (None: all): ``critical`` = sum over collectives (matched by key, in issue
+    order) of the busiest rank's max(sent, received), in bytes; ``mean_sent`` = bytes
+    sent per rank, mean over ranks; ``max_sent`` = the largest rank total; ``calls``."""
+    busiest: Dict[tuple, int] = {}
+    sent = [0] * len(per_rank)
+    for r, records in enumerate(per_rank):
+        for key, _name, phase, s, v in records:
+            if phases is not None and phase not in phases:
+                continue
+            k = tuple(tuple(x) if isinstance(x, list) else x for x in key)
+            busiest[k] = max(busiest.get(k, 0), s, v)
+            sent[r] += s
+    n = max(1, len(per_rank))
+    return {"critical": float(sum(busiest.values())), "mean_sent": sum(sent) / n,
+            "max_sent": float(max(sent, default=0)), "calls": len(busiest)}
+
+
+# ----------------------------------------------------------------------------- functional
+# DTensor (and so FSDP2's clip_grad_norm_ over DTensor grads) issues its collectives through
+# torch.distributed._functional_collectives ("funcol"), called as module attributes
+# (``funcol.all_reduce(...)``); FSDP2 itself issues its all-gathers and reduce-scatters
+# through ``dist.all_gather_single`` / ``dist.reduce_scatter_single``, which
+# :class:`CollectiveTrace` already wraps.
+FUNCOL_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather_tensor",
+                      "all_gather_single", "all_gather_into_tensor_coalesced",
+                      "all_gather_single_coalesced", "reduce_scatter_tensor",
+                      "reduce_scatter_single", "reduce_scatter_tensor_coalesced",
+                      "reduce_scatter_single_coalesced", "all_to_all_single", "broadcast")
+
+
+def _funcol_group(group, tag: str = ""):
+    """The ProcessGroup behind a functional collective's ``group`` argument (a
+    ProcessGroup, a group name, a 1-D DeviceMesh, (mesh, dim), or a rank list)."""
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed import distributed_c10d as c10d
+
+    g = funcol._resolve_group(group, tag)
+    return c10d._resolve_process_group(g) if isinstance(g, str) else g
+
+
+def funcol_link_bytes(name: str, bound: Dict[str, object], group) -> tuple:
+    """(sent, received) of this rank's link for one call of
+    ``_functional_collectives.<name>``, as :func:`gloo_link_bytes` counts the
+    torch.distributed collective it runs (all_reduce, all_gather_into_tensor,
+    reduce_scatter_tensor, all_to_all_single, broadcast)."""
+    import torch.distributed as dist
+
+    x = bound.get("self", bound.get("inputs"))
+    if name.startswith("all_reduce"):
+        return gloo_link_bytes("all_reduce", {"tensor": x, "group": group})
+    if name.startswith("all_gather"):
+        return gloo_link_bytes("all_gather_into_tensor", {"input_tensor": x, "group": group})
+    if name.startswith("reduce_scatter"):
+        return gloo_link_bytes("reduce_scatter_tensor", {"input": x, "group": group})
+    if name == "broadcast":
+        return gloo_link_bytes("broadcast", {"tensor": x, "src": bound["src"], "group": group})
+    if name == "all_to_all_single":
+        world = dist.get_world_size(group)
+        me = dist.get_rank(group)
+        row = x.element_size() * (x[0].numel() if x.dim() > 1 else 1)
+        full = tensor_bytes(x)
+
+        def moved(splits):
+            if not splits:
+                return round((world - 1) / world * full) if world > 1 else 0
+            return row * sum(int(n) for r, n in enumerate(splits) if r != me)
+
+        return moved(bound.get("input_split_sizes")), moved(bound.get("output_split_sizes"))
+    return 0, 0
+
+
+class CheckedCollectiveTrace(CollectiveTrace):
+    """:class:`CollectiveTrace` that also wraps the functional collectives
+    (:data:`FUNCOL_COLLECTIVES`, recorded as ``"funcol.<name>"``; a functional collective
+    called from inside another is recorded once) and checks that it saw everything: on
+    exit, :attr:`missed` is, per process group that ``check_groups`` names (default: the
+    default group), the number of collectives the group ran (its sequence number, which
+    ProcessGroupGloo advances once per collective, barrier included) minus the collectives
+    recorded on it; 0 when every call went through a wrapped Python function. Exact for
+    tensor collectives (one op per call); object collectives (several ops per call) and
+    point-to-point make it inexact: use it where a trace has neither."""
+
+    def __init__(self, check_groups: Optional[Sequence[object]] = None):
+        super().__init__()
+        self._check_groups = check_groups
+        self._seq0: Dict[tuple, int] = {}
+        self._depth = 0
+        self.missed: Dict[tuple, int] = {}
+
+    @staticmethod
+    def _ranks(group) -> tuple:
+        import torch.distributed as dist
+
+        ranks = tuple(dist.get_process_group_ranks(group))
+        return () if ranks == tuple(range(dist.get_world_size())) else ranks
+
+    def _groups(self) -> list:
+        import torch.distributed as dist
+
+        return list(self._check_groups) if self._check_groups else [dist.group.WORLD]
+
+    def __enter__(self) -> "CheckedCollectiveTrace":
+        import inspect
+
+        from torch.distributed import _functional_collectives as funcol
+
+        self._seq0 = {self._ranks(g): g._get_sequence_number_for_group()
+                      for g in self._groups()}
+        super().__enter__()
+        self._saved_funcol: Dict[str, Callable] = {}
+        for name in FUNCOL_COLLECTIVES:
+            fn = getattr(funcol, name, None)
+            if fn is None or not callable(fn):
+                continue
+            self._saved_funcol[name] = fn
+            sig = inspect.signature(fn)
+
+            def wrapper(*args, __name=name, __fn=fn, __sig=sig, **kwargs):
+                if self._depth:
+                    return __fn(*args, **kwargs)
+                bound = __sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                args_ = bound.arguments
+                group = _funcol_group(args_["group"], args_.get("tag", ""))
+                rec = [self._key(__name, group), "funcol." + __name, self.phase, 0, 0]
+                rec[3], rec[4] = funcol_link_bytes(__name, args_, group)
+                self.records.append(rec)
+                self._depth += 1
+                try:
+                    return __fn(*args, **kwargs)
+                finally:
+                    self._depth -= 1
+
+            wrapper.__name__ = getattr(fn, "__name__", name)
+            setattr(funcol, name, wrapper)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch.distributed import _functional_collectives as funcol
+
+        for name, fn in self._saved_funcol.items():
+            setattr(funcol, name, fn)
+        self._saved_funcol = {}
+        super().__exit__(*exc)
+        seen: Dict[tuple, int] = {}
+        for key, *_ in self.records:
+            if key[0] == "c":
+                k = tuple(key[1])
+                seen[k] = seen.get(k, 0) + 1
+        self.missed = {}
+        for g in self._groups():
+            k = self._ranks(g)
+            self.missed[k] = g._get_sequence_number_for_group() - self._seq0[k] - seen.get(k, 0)
+
+    @property
+    def complete(self) -> bool:
+        return not any(self.missed.values())

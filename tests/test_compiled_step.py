@@ -22,42 +22,16 @@ import pytest
 import torch
 
 from _dist import gloo_available, run_world, sd_diff
+from test_grad_reduce import HP, TOL, _batch, _groups, _Net
 
 pytestmark = pytest.mark.skipif(not gloo_available(), reason="needs torch.distributed with gloo")
 
-TOL = dict(atol=1e-6, rtol=1e-6)
-HP = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99))
 ITERS = 6
 MAX_NORM = 0.05
 # Graphs a training function may compile in all: forward pieces (DDP's graph split per
 # bucket), resume functions after its graph breaks, one recompile as DDP settles after
 # iteration 0. A traced step compiles more at every iteration.
 GRAPH_BOUND = 12
-
-
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Linear(12, 24)
-        self.mid = torch.nn.Linear(24, 40)
-        self.norm = torch.nn.LayerNorm(40)
-        self.head = torch.nn.Linear(40, 5)
-
-    def forward(self, x):
-        h = torch.relu(self.emb(x))
-        return self.head(self.norm(torch.relu(self.mid(h))))
-
-
-def _groups(model):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-
-
-def _batch(rank, it):
-    g = torch.Generator().manual_seed(1000 * it + 10 * rank)
-    return torch.randn(6 + rank, 12, generator=g)  # uneven per-rank batches
 
 
 def _loss(out):

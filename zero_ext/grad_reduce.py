@@ -63,8 +63,9 @@ class _Segment:
 
     runs: list             # runs[r]: [(offset, length)] owned by rank r
     splits: list           # elements owned by each rank
-    start: int             # where the runs in rank order start when they are contiguous,
-    in_place: bool         # (then the send is the buffer itself, no packing)
+    start: int             # where the first run starts in the bucket
+    in_place: bool         # the runs in rank order are contiguous from `start`: the send
+    #                        is that slice of the bucket itself, no packing
 
 
 @dataclass
@@ -404,6 +405,7 @@ class _Cut:
     def __init__(self, reducer):
         self.reducer = weakref.ref(reducer)
         self.consumed = False
+
 
 _SCALER_BUMPS: dict = {}
 

@@ -366,7 +366,8 @@ def state_problems(opt: "ZeroRedundancyOptimizer", pid: int, names, numels: dict
         for k, n in numels.items():
             if k not in _ADAM_KEYS and n is not None and n > 1 and n != p.numel():
                 out.append(f"param {pid}: state {k!r} has {n} elements, the param has "
-                           f"{p.numel()}; sharding={opt.sharding!r} can only split per-element state")
+                           f"{p.numel()}; sharding={opt.sharding!r} can only split "
+                           "per-element state")
     return out
 
 

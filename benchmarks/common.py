@@ -182,6 +182,35 @@ def ring_wire_bytes(name: str, bound: Dict[str, object]) -> int:
     return 0
 
 
+def wrap_calls(module, names: Sequence[str], around: Callable) -> Dict[str, Callable]:
+    """Replace ``module.<name>`` for each of `names` that exists by a wrapper that returns
+    ``around(name, bound_arguments, call)``, ``call()`` running the original; returns the
+    originals, for :func:`restore_calls`."""
+    import inspect
+
+    saved: Dict[str, Callable] = {}
+    for name in names:
+        fn = getattr(module, name, None)
+        if fn is None or not callable(fn):
+            continue
+        saved[name] = fn
+        sig = inspect.signature(fn)
+
+        def wrapper(*args, __name=name, __fn=fn, __sig=sig, **kwargs):
+            bound = __sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return around(__name, bound.arguments, lambda: __fn(*args, **kwargs))
+
+        wrapper.__name__ = getattr(fn, "__name__", name)
+        setattr(module, name, wrapper)
+    return saved
+
+
+def restore_calls(module, saved: Dict[str, Callable]) -> None:
+    for name, fn in saved.items():
+        setattr(module, name, fn)
+
+
 class WireCounter:
     """While open, wraps torch.distributed's Python collectives (the module attributes that
     code calls as ``dist.all_reduce(...)``) and records ``(name, wire bytes)`` per call,
@@ -193,31 +222,19 @@ class WireCounter:
         self._saved: Dict[str, Callable] = {}
 
     def __enter__(self) -> "WireCounter":
-        import inspect
-
         import torch.distributed as dist
 
-        for name in WIRE_COLLECTIVES:
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-            self._saved[name] = fn
-            sig = inspect.signature(fn)
+        def around(name, args, call):
+            self.calls.append((name, ring_wire_bytes(name, args)))
+            return call()
 
-            def wrapper(*args, __name=name, __fn=fn, __sig=sig, **kwargs):
-                bound = __sig.bind(*args, **kwargs)
-                bound.apply_defaults()
-                self.calls.append((__name, ring_wire_bytes(__name, bound.arguments)))
-                return __fn(*args, **kwargs)
-
-            setattr(dist, name, wrapper)
+        self._saved = wrap_calls(dist, WIRE_COLLECTIVES, around)
         return self
 
     def __exit__(self, *exc) -> None:
         import torch.distributed as dist
 
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
+        restore_calls(dist, self._saved)
         self._saved = {}
 
     @property
@@ -391,38 +408,25 @@ class CollectiveTrace:
         return ["c", list(ranks), k]
 
     def __enter__(self) -> "CollectiveTrace":
-        import inspect
-
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
+        def around(name, args, call):
+            rec = [self._key(name, args.get("group")), name, self.phase, 0, 0]
+            self.records.append(rec)
+            if name not in _AFTER_CALL:
+                rec[3], rec[4] = gloo_link_bytes(name, args)
+            out = call()
+            if name in _AFTER_CALL:
+                rec[3], rec[4] = gloo_link_bytes(name, args)
+            return out
+
+        self._saved = wrap_calls(dist, TRACED_COLLECTIVES, around)
         unwrap: Dict[int, Callable] = {}
-        for name in TRACED_COLLECTIVES:
-            fn = getattr(dist, name, None)
-            if fn is None or not callable(fn):
-                continue
-            self._saved[name] = fn
-            sig = inspect.signature(fn)
-
-            def wrapper(*args, __name=name, __fn=fn, __sig=sig, **kwargs):
-                bound = __sig.bind(*args, **kwargs)
-                bound.apply_defaults()
-                args_ = bound.arguments
-                key = self._key(__name, args_.get("group"))
-                rec = [key, __name, self.phase, 0, 0]
-                self.records.append(rec)
-                if __name not in _AFTER_CALL:
-                    rec[3], rec[4] = gloo_link_bytes(__name, args_)
-                out = __fn(*args, **kwargs)
-                if __name in _AFTER_CALL:
-                    rec[3], rec[4] = gloo_link_bytes(__name, args_)
-                return out
-
-            wrapper.__name__ = getattr(fn, "__name__", name)
-            setattr(dist, name, wrapper)
-            if name in ("isend", "irecv"):
-                unwrap[id(wrapper)] = getattr(c10d, name)
-                unwrap[id(fn)] = getattr(c10d, name)
+        for name in ("isend", "irecv"):
+            if name in self._saved:
+                unwrap[id(getattr(dist, name))] = getattr(c10d, name)
+                unwrap[id(self._saved[name])] = getattr(c10d, name)
         real_p2pop = dist.P2POp
         self._saved["P2POp"] = real_p2pop
 
@@ -439,8 +443,7 @@ class CollectiveTrace:
     def __exit__(self, *exc) -> None:
         import torch.distributed as dist
 
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
+        restore_calls(dist, self._saved)  # (P2POp too)
         self._saved = {}
 
 
@@ -549,46 +552,32 @@ class CheckedCollectiveTrace(CollectiveTrace):
         return list(self._check_groups) if self._check_groups else [dist.group.WORLD]
 
     def __enter__(self) -> "CheckedCollectiveTrace":
-        import inspect
-
         from torch.distributed import _functional_collectives as funcol
 
         self._seq0 = {self._ranks(g): g._get_sequence_number_for_group()
                       for g in self._groups()}
         super().__enter__()
-        self._saved_funcol: Dict[str, Callable] = {}
-        for name in FUNCOL_COLLECTIVES:
-            fn = getattr(funcol, name, None)
-            if fn is None or not callable(fn):
-                continue
-            self._saved_funcol[name] = fn
-            sig = inspect.signature(fn)
 
-            def wrapper(*args, __name=name, __fn=fn, __sig=sig, **kwargs):
-                if self._depth:
-                    return __fn(*args, **kwargs)
-                bound = __sig.bind(*args, **kwargs)
-                bound.apply_defaults()
-                args_ = bound.arguments
-                group = _funcol_group(args_["group"], args_.get("tag", ""))
-                rec = [self._key(__name, group), "funcol." + __name, self.phase, 0, 0]
-                rec[3], rec[4] = funcol_link_bytes(__name, args_, group)
-                self.records.append(rec)
-                self._depth += 1
-                try:
-                    return __fn(*args, **kwargs)
-                finally:
-                    self._depth -= 1
+        def around(name, args, call):
+            if self._depth:  # (called from inside another functional collective)
+                return call()
+            group = _funcol_group(args["group"], args.get("tag", ""))
+            rec = [self._key(name, group), "funcol." + name, self.phase, 0, 0]
+            rec[3], rec[4] = funcol_link_bytes(name, args, group)
+            self.records.append(rec)
+            self._depth += 1
+            try:
+                return call()
+            finally:
+                self._depth -= 1
 
-            wrapper.__name__ = getattr(fn, "__name__", name)
-            setattr(funcol, name, wrapper)
+        self._saved_funcol = wrap_calls(funcol, FUNCOL_COLLECTIVES, around)
         return self
 
     def __exit__(self, *exc) -> None:
         from torch.distributed import _functional_collectives as funcol
 
-        for name, fn in self._saved_funcol.items():
-            setattr(funcol, name, fn)
+        restore_calls(funcol, self._saved_funcol)
         self._saved_funcol = {}
         super().__exit__(*exc)
         seen: Dict[tuple, int] = {}

@@ -55,7 +55,7 @@ at DDP's 1 MiB first / 25 MiB caps); each is then cut by the hook's own code
 bucket's elements owned by the others. Where that cutting would walk more than
 --hook-plan-limit (all_to_all, rank) pairs (marked ``+``; O(segments x world) Python work,
 minutes for Llama-2 70B at world 1024), the splits come per bucket from the hook's ownership
-map (``GradReducer.owned_runs``) and the call count is estimated (``~``); the segments take
+map (``HookSeam.ownership``) and the call count is estimated (``~``); the segments take
 each rank's share of the bucket in proportion, so the critical path is the same (checked
 where both are computed). The step's exchange comes from its plan (checked against rank 0's
 counted calls where the step runs), its agreement is counted in one step of rank 0, and the
@@ -429,8 +429,8 @@ def reduce_scatter_bytes(opt, params, limit: int = HOOK_PLAN_LIMIT) -> dict:
     per segment from the hook's own ``GradReducer.bucket_plan`` when the work is under
     `limit` (``planned``), else per bucket from the hook's ownership map."""
     reducer = grad_reduce.reducer_of(opt)
-    owned = reducer.owned_runs()
-    index = grad_reduce.param_index(opt)
+    owned = opt.hook_seam.ownership().runs
+    index = opt.hook_seam.param_index()
     world, size = opt.world_size, _elem_size(params[0].dtype)
     buckets = ddp_buckets(params)
     splits = []
@@ -1022,7 +1022,7 @@ def main(argv=None) -> int:
             print(f"+ the hook's bucket_plan not called (above {args.hook_plan_limit} "
                   "(all_to_all, rank) pairs: O(segments x world) Python work): the "
                   "all_to_alls per DDP bucket from the hook's ownership map "
-                  "(GradReducer.owned_runs), the call count estimated; where both are "
+                  "(HookSeam.ownership), the call count estimated; where both are "
                   "computed the segments' critical path equals the buckets'")
     if run_extras:
         extras(worlds)

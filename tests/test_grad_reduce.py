@@ -69,6 +69,8 @@ def _pair(rank, cfg, group=None):
 
     if cfg.get("segment_bytes"):  # (a fresh process per world: no other test sees it)
         grad_reduce.SEGMENT_BYTES = cfg["segment_bytes"]
+    if cfg.get("transport"):  # NCCL's form (reduce_scatter_tensor), here on gloo
+        grad_reduce.TRANSPORT = cfg["transport"]
     dtype = cfg.get("dtype", torch.float32)
     kw = dict(bucket_cap_mb=0.002,  # several buckets even for this small model
               find_unused_parameters=cfg.get("find_unused", False),
@@ -150,6 +152,13 @@ CASES = {
     "flat-segments-grad-view": dict(sharding="flat", clip=True, segment_bytes=256,
                                     grad_view=True),
     "even-segments": dict(sharding="even", clip=True, segment_bytes=256),
+    # the segments by reduce_scatter_tensor, as on NCCL (W equal blocks, padded)
+    "even-reduce-scatter": dict(sharding="even", clip=True, transport="reduce_scatter"),
+    "param-reduce-scatter-segments": dict(sharding="param", clip=True, segment_bytes=256,
+                                          transport="reduce_scatter"),
+    "flat-reduce-scatter-scaler-accumulate": dict(
+        sharding="flat", clip=True, scaler=True, accumulate=2, grad_view=True,
+        transport="reduce_scatter"),
     "param-bucket-view": dict(sharding="param", bucket_view=True, clip=True),
     "flat-bucket-view-grad-view": dict(sharding="flat", bucket_view=True, grad_view=True,
                                        clip=True),
@@ -164,7 +173,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_ddp_allreduce_and_adamw(world, case):
     if world == 3 and case not in ("param", "flat", "even", "accumulate-no-sync",
-                                   "grad-scaler", "even-segments"):
+                                   "grad-scaler", "even-segments", "even-reduce-scatter"):
         pytest.skip("world 3 runs the main cases only (2 cores)")
     _same_everywhere(run_world(_parity, world, CASES[case]))
 
@@ -179,11 +188,11 @@ def test_bf16_master_weights():
 
 # ------------------------------------------------------------------ hybrid layout
 
-def _hybrid(rank, world, sharding, segment_bytes=None):
+def _hybrid(rank, world, sharding, segment_bytes=None, transport=None):
     from zero_ext import hybrid_groups
 
     shard, _replica = hybrid_groups(shard_size=2)
-    (ref, o_ref), (zero, o_zero) = _pair(rank, dict(sharding=sharding,
+    (ref, o_ref), (zero, o_zero) = _pair(rank, dict(sharding=sharding, transport=transport,
                                                     segment_bytes=segment_bytes), group=shard)
     for it in range(4):
         _iteration(rank, it, ref, o_ref, {"clip": True}, True)
@@ -201,6 +210,64 @@ def test_hybrid_layout_two_replicas_of_two_shards(sharding):
 def test_hybrid_layout_with_segmented_buckets():
     """Each segment's owned sum is all-reduced across the replicas in segment order."""
     _same_everywhere(run_world(_hybrid, 4, "even", 256))
+
+
+def test_hybrid_layout_by_reduce_scatter():
+    _same_everywhere(run_world(_hybrid, 4, "even", 256, "reduce_scatter"))
+
+
+def _transport_calls(rank, world, transport, dtype):
+    """The hook's collectives in one iteration after DDP's rebuild: (name, input numel,
+    output numel) per call."""
+    import torch.distributed as dist
+
+    calls, real = [], {n: getattr(dist, n) for n in ("all_to_all_single",
+                                                     "reduce_scatter_tensor")}
+
+    def spy(name):
+        def call(out, inp, *args, **kw):
+            calls.append((name, inp.numel(), out.numel()))
+            return real[name](out, inp, *args, **kw)
+        return call
+
+    cfg = dict(sharding="even", transport=transport, dtype=dtype, clip=True,
+               tol=dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else TOL)
+    (ref, o_ref), (zero, opt) = _pair(rank, cfg)
+    for it in range(3):
+        if it == 2:
+            for n in real:
+                setattr(dist, n, spy(n))
+        try:
+            _iteration(rank, it, ref, o_ref, cfg, True)
+            _iteration(rank, it, zero, opt, cfg, False)
+        finally:
+            for n, f in real.items():
+                setattr(dist, n, f)
+        for a, b in zip(ref.module.parameters(), zero.module.parameters()):
+            torch.testing.assert_close(b.detach().float(), a.detach(), **cfg["tol"])
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_transport_is_what_runs(world, dtype):
+    """Forced (as NCCL picks it), every segment is one reduce_scatter_tensor of W equal
+    blocks, and no all_to_all runs; by default on gloo it is all_to_all. Both train to
+    parity with DDP + AdamW (bf16: its sums in bf16 on the wire, as DDP's own all-reduce)."""
+    for calls in run_world(_transport_calls, world, "reduce_scatter", dtype):
+        names = {n for n, _, _ in calls}
+        assert names == {"reduce_scatter_tensor"}, calls
+        assert all(i == world * o for _, i, o in calls), calls
+    for calls in run_world(_transport_calls, world, "auto", dtype):
+        assert {n for n, _, _ in calls} == {"all_to_all_single"}, calls
+
+
+def test_unknown_transport_is_a_value_error(monkeypatch):
+    from zero_ext import grad_reduce
+
+    monkeypatch.setattr(grad_reduce, "TRANSPORT", "ring")
+    with pytest.raises(ValueError, match="ZERO_EXT_HOOK_TRANSPORT"):
+        grad_reduce.reduce_scatters(torch.zeros(1), None)
 
 
 # ------------------------------------------------------------------ checkpoints across modes
@@ -341,14 +408,14 @@ def _shares(rank, world, sharding):
     all_to_all (from the bucket plans the hook sends by) and the padding that would make
     every param of it a multiple of the world; per exchange message of the step, the
     elements each owner contributes."""
-    from zero_ext import sync
+    from zero_ext import grad_reduce, sync
 
     _, (zero, opt) = _pair(rank, dict(sharding=sharding))
     for it in range(3):
         _iteration(rank, it, zero, opt, {}, False)
     params = opt._all_params
     buckets = []
-    for bp in opt._grad_reducer.buckets.values():
+    for bp in grad_reduce.reducer_of(opt).buckets.values():
         pad = sum(-(-params[i].numel() // world) * world - params[i].numel()
                   for i in bp.param_ids)
         buckets.append((list(bp.splits), pad))
@@ -428,7 +495,7 @@ def _newest(rank, world):
     every rank, although an older one over the same params is still alive."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext import ZeroRedundancyOptimizer, grad_reduce
     from zero_ext.ddp_zero_hook import reduce_scatter_hook
 
     (ref, o_ref), (zero, old) = _pair(rank, dict(sharding="param"))
@@ -441,7 +508,7 @@ def _newest(rank, world):
         _iteration(rank, it, fresh, new, {"clip": True}, False)
     for a, b in zip(ref.module.parameters(), zero.module.parameters()):
         torch.testing.assert_close(b.detach(), a.detach(), **TOL)
-    return "_grad_reducer" in vars(new), "_grad_reducer" in vars(old)
+    return new in grad_reduce._REDUCERS, old in grad_reduce._REDUCERS
 
 
 def test_hook_without_state_takes_the_newest_optimizer():

@@ -321,3 +321,69 @@ def _empty_param(rank, world, sharding):
 def test_a_param_without_elements(sharding):
     _same_everywhere(run_world(_empty_param, 2, sharding))
 
+
+
+# ------------------------------------------------------------------ the one seam
+
+_HOOK_MODULES = ("grad_reduce.py", "overlap.py")
+
+
+def _private_names_of_the_optimizer() -> set[str]:
+    """Private attributes zero.py gives ZeroRedundancyOptimizer: its `self._x = ...` and its
+    `def _x` (read from the source, so a new one is covered without listing it here)."""
+    import ast
+    import pathlib
+
+    import zero_ext
+
+    tree = ast.parse((pathlib.Path(zero_ext.__file__).parent / "zero.py").read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("_"):
+            names.add(node.name)
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_hooks_reach_the_optimizer_only_through_its_seam():
+    """grad_reduce.py and overlap.py read no private attribute of the optimizer (its
+    `hook_seam` is what they may use); their own objects (`self.`) do not count."""
+    import ast
+    import pathlib
+
+    import zero_ext
+
+    private = _private_names_of_the_optimizer()
+    assert {"_all_params", "_replicas", "_stepper", "_fused_step_supported"} <= private
+    found = []
+    for name in _HOOK_MODULES:
+        path = pathlib.Path(zero_ext.__file__).parent / name
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in private
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                found.append(f"{name}:{node.lineno} .{node.attr}")
+            if isinstance(node, ast.Constant) and node.value in private:
+                found.append(f"{name}:{node.lineno} {node.value!r}")  # getattr / __dict__
+    assert not found, found
+
+
+def test_the_optimizer_imports_no_hook():
+    """Building and stepping an optimizer (and its state dict) loads neither hook module:
+    the check before a step is the hooks' own step pre-hook."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from zero_ext import ZeroRedundancyOptimizer\n"
+        "m = torch.nn.Linear(4, 3)\n"
+        "opt = ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)\n"
+        "m(torch.ones(2, 4)).sum().backward(); opt.step(); opt.state_dict()\n"
+        "print([n for n in ('zero_ext.grad_reduce', 'zero_ext.overlap', "
+        "'zero_ext.ddp_zero_hook') if n in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

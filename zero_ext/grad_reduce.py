@@ -9,14 +9,19 @@ step, an iteration moves DDP's bytes.
 
 - Ownership is the optimizer's own plan (whole params or flat ranges, any sharding mode),
   so nothing about the step, the state or checkpoints changes; a DDP bucket is cut by it.
-- Transport is one `all_to_all_single` per bucket with split sizes (any ownership map),
-  then a local sum: on gloo it costs less than `reduce_scatter_tensor`, which costs more
-  than a whole all-reduce (measured: docs/design.md), and it moves raw bytes (bf16 too)
-  while the sum runs here in float32 for bf16/fp16 grads.
+- Transport, per segment of at most 8 MB of a bucket: on NCCL one `reduce_scatter_tensor`
+  of W equal blocks (each rank's runs packed into its block; the sum on the wire in the
+  grads' dtype, as DDP's all-reduce sums). Elsewhere one `all_to_all_single` with split
+  sizes, then a local sum: on gloo it costs less than `reduce_scatter_tensor`, which costs
+  as much as a whole all-reduce (measured: docs/design.md), and it moves raw bytes (bf16
+  too) while the sum runs here in float32 for bf16/fp16 grads. `ZERO_EXT_HOOK_TRANSPORT`
+  forces one.
 - Hybrid layouts (the optimizer shards over a part of the job, `zero_ext.hybrid_groups()`):
   the owned sum is then all-reduced over the replica group.
 - A bucket that holds params of no zero_ext optimizer, or of several, is all-reduced as DDP
   does (correct, DDP's bytes for it).
+- The optimizer is reached only through its `hook_seam` (zero_ext/seam.py); this module
+  keeps its own state per optimizer, and its check before a step is a step pre-hook.
 
 After the hook, `.grad` holds the averaged grad only where this rank owns the elements;
 elsewhere it is this rank's local grad. So a script that changes grads in place between
@@ -27,7 +32,7 @@ step raises on every rank when one changed (GradScaler's own in-place inf check 
 """
 # (no `from __future__ import annotations`: DDP checks the hook's annotations as objects)
 import functools
-import itertools
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -35,18 +40,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import layout
+from .agree import agree
+from .seam import HookSeam, newest_holding
 from .sync import wire_view
-
-# every ZeroRedundancyOptimizer alive, by construction order (the same on every rank)
-_LIVE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
-_built = itertools.count()
-
-
-def track(opt) -> None:
-    """Make `opt` findable by `reduce_scatter_hook(None, bucket)`."""
-    _LIVE[next(_built)] = opt
 
 
 # Elements one all_to_all of the hook moves at most: a larger DDP bucket travels as several
@@ -54,6 +52,28 @@ def track(opt) -> None:
 # of world x this rank's share, a packed send buffer) stays bounded by the segments in
 # flight (one per lane), whatever bucket_cap_mb is.
 SEGMENT_BYTES = 8 << 20
+
+# How a segment travels: "auto" is `reduce_scatter_tensor` on NCCL (equal work on every
+# link, half an all-reduce's time) and `all_to_all_single` plus a local sum elsewhere (on
+# gloo, reduce_scatter_tensor costs a whole all-reduce: 134-145 ms against 100-111 ms for a
+# 4 MB bucket at world 4 behind 400 Mbit/s links); "reduce_scatter" or "all_to_all" force
+# one (tests, benchmarks). Every rank must use the same.
+TRANSPORTS = ("auto", "reduce_scatter", "all_to_all")
+TRANSPORT = os.environ.get("ZERO_EXT_HOOK_TRANSPORT", "auto")
+
+
+def _is_nccl(group) -> bool:
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+def reduce_scatters(buf: torch.Tensor, group) -> bool:
+    """Whether the hook's segments of `buf` travel by reduce_scatter_tensor over `group`."""
+    if TRANSPORT not in TRANSPORTS:
+        raise ValueError(f"ZERO_EXT_HOOK_TRANSPORT must be one of {TRANSPORTS}, got "
+                         f"{TRANSPORT!r}")
+    if TRANSPORT != "auto":
+        return TRANSPORT == "reduce_scatter"
+    return buf.is_cuda and _is_nccl(group)
 
 
 @dataclass
@@ -84,9 +104,8 @@ class GradReducer:
 
     def __init__(self, opt):
         self.opt = weakref.ref(opt)
+        self.seam: HookSeam = opt.hook_seam  # all this reads of the optimizer, or asks
         self.buckets: dict[int, _BucketPlan] = {}
-        # (token, plan, its bucket list, its length, {param_id: [(rank, start, length)]})
-        self._owned: tuple | None = None
         self.replica_group = None
         self._armed = False     # a callback is queued for the end of this backward
         self.seq = 0            # the hook's calls in this backward (bucket order)
@@ -106,41 +125,23 @@ class GradReducer:
         self.seen: list | None = None
         self.cut: _Cut | None = None  # the tag of the grads this backward reduced
         self.reduced_ids: set[int] = set()  # params reduce-scattered in this backward
-        self.reduced_under: tuple | None = None  # the ownership map (self._owned) used
+        self.reduced_under = None  # the seam's Ownership they were cut by
         self.layout_checked = False
         self.ddp = None  # weakref to the DDP model found by check_layout
 
     # -------------------------------------------------------------- ownership
-    def owned_runs(self) -> dict[int, list[tuple[int, int, int]]]:
-        """param_id -> [(rank, start, length)]: who owns which elements of each param."""
-        plan = self.opt().plan
-        if (self._owned is None or self._owned[1] is not plan
-                or self._owned[2] is not plan.buckets or self._owned[3] != len(plan.buckets)):
-            out: dict[int, list] = {}
-            for b in plan.buckets:
-                for r in range(plan.world_size):
-                    for pc in b.pieces(r):
-                        out.setdefault(pc.param_id, []).append((r, pc.start, pc.length))
-            if plan.sharding == layout.PARAM:  # params outside the buckets: whole, by owner
-                for pid, r in enumerate(plan.owner):
-                    if pid not in out:
-                        out[pid] = [(r, 0, plan.params[pid].numel())]
-            # (a fresh token per ownership map: the bucket plans cut by it compare with it)
-            self._owned = (object(), plan, plan.buckets, len(plan.buckets), out)
-        return self._owned[4]
-
     def bucket_plan(self, bucket) -> _BucketPlan | None:
         """The plan of DDP's `bucket`, or None when it holds params this optimizer does not
         own entirely (then it is all-reduced)."""
         params = bucket.parameters()
         ident = tuple(id(p) for p in params)
-        opt = self.opt()
-        owned = self.owned_runs()
+        ownership = self.seam.ownership()
+        owned = ownership.runs
         bp = self.buckets.get(bucket.index())
-        if bp is not None and bp.params == ident and bp.plan_key is self._owned[0]:
+        if bp is not None and bp.params == ident and bp.plan_key is ownership.token:
             return bp
-        index = param_index(opt)
-        world = opt.world_size
+        index = self.seam.param_index()
+        world = self.opt().world_size
         runs: list[list] = [[] for _ in range(world)]
         offset, ids = 0, []
         for p in params:
@@ -163,7 +164,7 @@ class GradReducer:
         # per segment too; a plan that gives a bucket to one owner receives world x its
         # share, segments or not (counting by that would issue world-fold collectives)
         count = max(1, -(-offset // cap))
-        bp = _BucketPlan(ident, self._owned[0], tuple(ids), splits,
+        bp = _BucketPlan(ident, ownership.token, tuple(ids), splits,
                          [_segment([_part(rr, k, count) for rr in runs])
                           for k in range(count)])
         self.buckets[bucket.index()] = bp
@@ -173,7 +174,7 @@ class GradReducer:
     def reduce(self, bucket, bp: _BucketPlan) -> torch.futures.Future:
         self._arm()  # here, on the autograd thread (the future's callbacks run elsewhere)
         self.reduced_ids.update(bp.param_ids)
-        self.reduced_under = self._owned
+        self.reduced_under = self.seam.ownership()
         buf = bucket.buffer()
         futs = [self._reduce_segment(buf, seg) for seg in bp.segments]
         if len(futs) == 1:
@@ -195,57 +196,18 @@ class GradReducer:
         # (measured: a 33.6M-element reduce-scatter 105 -> 65 ms on two lanes). At most
         # one op in flight per lane: several async ops on one gloo group can start in a
         # different order on different ranks (broadcasts were seen to deadlock at world 3).
-        lanes = opt._replicas.ex.lanes
+        lanes = self.seam.lanes
         lane = seq % len(lanes)
         prev = self.in_flight.pop(lane, None)
         if prev is not None:
             prev.wait()  # the lane's last segment, written back: its scratch is free again
-        low = buf.dtype in (torch.bfloat16, torch.float16)  # summed in float32
         replicas = self.replica_group
         total = world * (1 if replicas is None else dist.get_world_size(replicas))
-        # full-precision sums without replicas go straight into this rank's runs of the
-        # bucket; bf16/fp16 ones are summed in float32, hybrid ones all-reduced first
-        direct = not low and replicas is None
-        recv = self._scratch(lane, "recv", world * mine, buf)
-        acc = None if direct else self._scratch(lane, "sum", mine, buf,
-                                                torch.float32 if low else buf.dtype)
-        size = sum(seg.splits)
-        if seg.in_place:
-            send = buf[seg.start:seg.start + size]
+        if reduce_scatters(buf, lanes[lane]):
+            work, owned_sum = self._issue_reduce_scatter(lanes[lane], lane, buf, seg, me)
         else:
-            send, pos = self._scratch(lane, "send", size, buf), 0
-            for r in range(world):
-                for o, n in seg.runs[r]:
-                    send[pos:pos + n].copy_(buf[o:o + n])
-                    pos += n
-        backend = dist.get_backend(lanes[lane])
-        work = dist.all_to_all_single(wire_view(recv, backend), wire_view(send, backend),
-                                      output_split_sizes=[mine] * world,
-                                      input_split_sizes=seg.splits, group=lanes[lane],
-                                      async_op=True)
-
-        def chain_of_adds(parts, out) -> None:
-            # 2.4x faster than torch.sum over the rank dim on one CPU thread (4.2M fp32
-            # elements: 3.1 vs 7.6 ms)
-            if len(parts) == 1:
-                out.copy_(parts[0])
-            elif low:  # (add_ into a float32 tensor sums in float32)
-                out.copy_(parts[0]).add_(parts[1])
-            else:
-                torch.add(parts[0], parts[1], out=out)
-            for part in parts[2:]:
-                out.add_(part)
-
-        def owned_sum():
-            parts = recv.view(world, mine).unbind(0)
-            if not direct:
-                chain_of_adds(parts, acc)
-                return acc
-            pos = 0
-            for o, n in seg.runs[me]:
-                chain_of_adds([q[pos:pos + n] for q in parts], buf[o:o + n])
-                pos += n
-            return None
+            work, owned_sum = self._issue_all_to_all(lanes[lane], lane, buf, seg, me,
+                                                     direct=replicas is None)
 
         def write_back(summed) -> torch.Tensor:
             if summed is None:  # (direct: in the runs already)
@@ -260,7 +222,7 @@ class GradReducer:
             return buf
 
         if replicas is None:
-            done = work.get_future().then(
+            done = _future_of(work, buf).then(
                 lambda fut: (fut.wait(), write_back(owned_sum()) if mine else buf)[1])
             self.in_flight[lane] = done
             return done
@@ -288,9 +250,93 @@ class GradReducer:
 
             self.ordered.submit(seq, issue)
 
-        work.get_future().then(after_shard_sum)
+        _future_of(work, buf).then(after_shard_sum)
         self.in_flight[lane] = result
         return result
+
+    def _issue_all_to_all(self, group, lane: int, buf: torch.Tensor, seg: _Segment,
+                          me: int, direct: bool):
+        """Every rank's runs to their owner in one all_to_all (raw bytes: any dtype on
+        gloo), then the W copies summed here. Returns the work and the function that gives
+        this rank's sum in run order (None: already summed into the runs of `buf`)."""
+        world, mine = len(seg.splits), seg.splits[me]
+        low = buf.dtype in (torch.bfloat16, torch.float16)  # summed in float32
+        # full-precision sums without replicas go straight into this rank's runs of the
+        # bucket; bf16/fp16 ones are summed in float32, hybrid ones all-reduced first
+        direct = direct and not low
+        recv = self._scratch(lane, "recv", world * mine, buf)
+        acc = None if direct else self._scratch(lane, "sum", mine, buf,
+                                                torch.float32 if low else buf.dtype)
+        size = sum(seg.splits)
+        if seg.in_place:
+            send = buf[seg.start:seg.start + size]
+        else:
+            send, pos = self._scratch(lane, "send", size, buf), 0
+            for r in range(world):
+                for o, n in seg.runs[r]:
+                    send[pos:pos + n].copy_(buf[o:o + n])
+                    pos += n
+        backend = dist.get_backend(group)
+        work = dist.all_to_all_single(wire_view(recv, backend), wire_view(send, backend),
+                                      output_split_sizes=[mine] * world,
+                                      input_split_sizes=seg.splits, group=group,
+                                      async_op=True)
+
+        def chain_of_adds(parts, out) -> None:
+            # 2.4x faster than torch.sum over the rank dim on one CPU thread (4.2M fp32
+            # elements: 3.1 vs 7.6 ms)
+            if len(parts) == 1:
+                out.copy_(parts[0])
+            elif low:  # (add_ into a float32 tensor sums in float32)
+                out.copy_(parts[0]).add_(parts[1])
+            else:
+                torch.add(parts[0], parts[1], out=out)
+            for part in parts[2:]:
+                out.add_(part)
+
+        def owned_sum():
+            parts = recv.view(world, mine).unbind(0)
+            if not direct:
+                chain_of_adds(parts, acc)
+                return acc
+            pos = 0
+            for o, n in seg.runs[me]:
+                chain_of_adds([q[pos:pos + n] for q in parts], buf[o:o + n])
+                pos += n
+            return None
+
+        return work, owned_sum
+
+    def _issue_reduce_scatter(self, group, lane: int, buf: torch.Tensor, seg: _Segment,
+                              me: int):
+        """One `reduce_scatter_tensor` (NCCL's: every link does equal work, the sum on the
+        wire in the grads' dtype, as DDP's all-reduce sums): rank r's runs packed into the
+        r-th of W equal blocks (the largest rank's share; the rest of a block is padding
+        nobody reads). With a single owned run of the block's length the output is that
+        run of the bucket itself."""
+        world, mine = len(seg.splits), seg.splits[me]
+        block = max(seg.splits)
+        if seg.in_place and all(n == block for n in seg.splits):
+            send = buf[seg.start:seg.start + block * world]
+        else:
+            send = self._scratch(lane, "send", block * world, buf)
+            for r in range(world):
+                pos = r * block
+                for o, n in seg.runs[r]:
+                    send[pos:pos + n].copy_(buf[o:o + n])
+                    pos += n
+        # (an output inside the input is NCCL's in-place form; gloo is not promised it)
+        straight = (len(seg.runs[me]) == 1 and mine == block
+                    and (send.data_ptr() != buf.data_ptr() + seg.start * buf.element_size()
+                         or _is_nccl(group)))
+        out = (buf[seg.runs[me][0][0]:seg.runs[me][0][0] + block] if straight
+               else self._scratch(lane, "recv", block, buf))
+        work = dist.reduce_scatter_tensor(out, send, group=group, async_op=True)
+
+        def owned_sum():
+            return out[:mine]
+
+        return work, owned_sum
 
     def _scratch(self, lane: int, name: str, n: int, like: torch.Tensor,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -326,7 +372,7 @@ class GradReducer:
         notices a backward that adds onto a grad this hook reduced, untouched since (no
         step, no zero_grad between): the elements a rank does not own hold its local grad,
         so the next reduction would mix averaged and local grads. The next step raises."""
-        params = self.opt()._all_params
+        params = self.seam.params
         me = weakref.ref(self)
         for i in range(self._watched, len(params)):
             if params[i].requires_grad:
@@ -338,7 +384,7 @@ class GradReducer:
         self._armed = False
         opt = self.opt()
         if opt is not None:
-            params = opt._all_params
+            params = self.seam.params
             self.seen = seen = [None] * len(params)
             self.cut = cut = _Cut(self)
             _Cut.made = True
@@ -353,13 +399,11 @@ class GradReducer:
         partition between backward and step): their owners now hold unreduced grads."""
         if self.reduced_under is None or self.seen is None:
             return []
-        then = self.reduced_under
-        self.owned_runs()
-        if self._owned[0] is then[0]:
+        then, now = self.reduced_under, self.seam.ownership()
+        if now.token is then.token:
             return []
-        now = self._owned[4]
         return sorted(i for i in self.reduced_ids
-                      if sorted(then[4].get(i, ())) != sorted(now.get(i, ())))
+                      if sorted(then.runs.get(i, ())) != sorted(now.runs.get(i, ())))
 
     def changed_grads(self, scaler: bool) -> list[int]:
         """Indices of params whose grad was replaced or written in place since the hook
@@ -369,7 +413,7 @@ class GradReducer:
         if seen is None:
             return []
         self.cut.consumed = True
-        params = self.opt()._all_params
+        params = self.seam.params
         # A grad's version counter is shared by every grad viewing one buffer (DDP's
         # gradient_as_bucket_view); GradScaler's pass (its inf check in step(), or
         # unscale_) bumps it once per such grad, where its kernel bumps versions at all.
@@ -428,8 +472,7 @@ def _incoming_grad(reducer_ref, i: int, grad):
     adds `grad` to the param's .grad."""
     r = reducer_ref()
     if r is not None and r.seen is not None and r.seen[i] is not None:
-        opt = r.opt()
-        g = None if opt is None else opt._all_params[i].grad
+        g = None if r.opt() is None else r.seam.params[i].grad
         if g is not None and g is r.seen[i][0]() and g._version == r.seen[i][1]:
             r.accumulated = True
     return None
@@ -456,6 +499,18 @@ def _future_on(t: torch.Tensor) -> torch.futures.Future:
     """A future whose completion orders `t`'s device streams (CUDA) as the collectives'
     own futures do."""
     return torch.futures.Future(devices=[t.device]) if t.is_cuda else torch.futures.Future()
+
+
+def _future_of(work, t: torch.Tensor) -> torch.futures.Future:
+    """The future of a collective's `work` on `t`. gloo's reduce_scatter_tensor work has
+    none (the transport forced on gloo, for tests): it is waited for here instead."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        work.wait()
+        done = _future_on(t)
+        done.set_result([t])
+        return done
 
 
 def _settle(result: torch.futures.Future, compute) -> None:
@@ -501,10 +556,14 @@ def _append_run(runs: list, offset: int, length: int) -> None:
         runs.append((offset, length))
 
 
+# The hook's state per optimizer (the optimizer knows nothing of it)
+_REDUCERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def reducer_of(opt) -> GradReducer:
-    r = opt.__dict__.get("_grad_reducer")
+    r = _REDUCERS.get(opt)
     if r is None:
-        r = opt.__dict__["_grad_reducer"] = GradReducer(opt)
+        r = _REDUCERS[opt] = GradReducer(opt)
         r.replica_group = _replica_group(opt.process_group)
     return r
 
@@ -575,30 +634,13 @@ def _ddp_holding(param):
     return found if len(groups) == 1 else None
 
 
-def param_index(opt) -> dict[int, int]:
-    """id(param) -> its index in `opt`'s params (kept while no group is added)."""
-    cached = opt.__dict__.get("_zero_ext_param_index")
-    if cached is None or cached[0] != len(opt._all_params):
-        cached = (len(opt._all_params), {id(p): i for i, p in enumerate(opt._all_params)})
-        opt.__dict__["_zero_ext_param_index"] = cached
-    return cached[1]
-
-
 def _owner_of(bucket, state: Any):
-    from .zero import ZeroRedundancyOptimizer
-
     if state is not None:
-        if not isinstance(state, ZeroRedundancyOptimizer):
+        if not isinstance(getattr(state, "hook_seam", None), HookSeam):
             raise TypeError("reduce_scatter_hook: the hook's state must be a zero_ext "
                             f"ZeroRedundancyOptimizer or None, got {type(state).__name__}")
         return state
-    # the most recently built one holding the bucket's params: an optimizer built again
-    # over the same params (a new run in one process) replaces one still referenced
-    first = id(bucket.parameters()[0])
-    for _, opt in sorted(_LIVE.items(), key=lambda kv: -kv[0]):
-        if first in param_index(opt):
-            return opt
-    return None
+    return newest_holding(bucket.parameters()[0])
 
 
 @torch._disable_dynamo  # a backward inside a compiled function: collective, data-dependent
@@ -612,7 +654,7 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
     opt = _owner_of(bucket, state)
     if opt is None:
         return _all_reduce(bucket, None)
-    if opt._join_config.enable:
+    if opt.hook_seam.joined:
         raise NotImplementedError(
             "reduce_scatter_hook under a Join context (uneven inputs) is not supported: "
             "register DDP's default all-reduce for training with Join")
@@ -647,7 +689,7 @@ def _reduced_for_another(opt, reducer) -> list[int]:
     if not _Cut.made:
         return []
     out = []
-    for i, p in enumerate(opt._all_params):
+    for i, p in enumerate(opt.hook_seam.params):
         cut = None if p.grad is None else getattr(p.grad, "_zero_ext_cut", None)
         if cut is not None and not cut.consumed and (reducer is None
                                                       or cut.reducer() is not reducer):
@@ -662,7 +704,7 @@ def check_grads(opt, scaler: bool, error: BaseException | None
     naming what makes those grads unusable when there is none yet: grads changed after the
     hook, a second backward without no_sync, a partition changed since, or grads reduced
     for another optimizer."""
-    reducer = opt.__dict__.get("_grad_reducer")
+    reducer = _REDUCERS.get(opt)
     foreign = _reduced_for_another(opt, reducer)
     if foreign and error is None:
         error = RuntimeError(
@@ -714,18 +756,41 @@ def _some(ids: list[int]) -> str:
 
 def checked_closure(opt, closure):
     """`closure` (a step's closure, which frameworks use to run forward and backward inside
-    ``step()``: Lightning) followed by the check of `check_grads`, or None. Collective
-    when the hook ran in it: every rank ran the same closure."""
-    if closure is None:
-        return None
+    ``step()``: Lightning) followed by the check of `check_grads`. Collective when the hook
+    ran in it: every rank ran the same closure."""
 
     def run():
         loss = closure()
         reduced, error = check_grads(opt, False, None)
         if reduced:
-            from .agree import agree
-
             agree(opt.process_group, opt.world_size, error, "ZeroRedundancyOptimizer.step")
         return loss
 
     return run
+
+
+def _before_step(opt, args, kwargs):
+    """The step pre-hook: the verdict of `check_grads` goes to the step through the seam
+    (which then agrees before stepping and raises it on every rank), and a closure is
+    checked after it ran."""
+    seam = getattr(opt, "hook_seam", None)
+    if not isinstance(seam, HookSeam) or seam.overlap_with_ddp:
+        return None  # any other optimizer; or one whose steps run inside the backward
+    if _Cut.made:  # (else no grad was reduce-scattered yet)
+        reduced, error = check_grads(opt, getattr(opt, "found_inf", None) is not None, None)
+        if reduced:
+            seam.require_agreement(error)
+    # (torch passes the optimizer itself as args[0])
+    if len(args) > 1 and callable(args[1]):
+        return (args[0], checked_closure(opt, args[1]), *args[2:]), kwargs
+    if callable(kwargs.get("closure")):
+        return args, {**kwargs, "closure": checked_closure(opt, kwargs["closure"])}
+    return None
+
+
+# The check before every ZeroRedundancyOptimizer step, as a global Optimizer step pre-hook
+# (torch's API), registered when this module loads: before any DDP model can run the hook,
+# and before the step whose closure may run the first backward through it. It also guards
+# an optimizer the hook never saw (one built to replace another), and the optimizer itself
+# knows nothing of the hook.
+_STEP_CHECK = register_optimizer_step_pre_hook(_before_step)

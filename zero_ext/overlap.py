@@ -29,7 +29,6 @@ completed, on the autograd thread, in the same order on every rank.
 """
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
@@ -39,58 +38,11 @@ from torch.nn.parallel import DistributedDataParallel
 from . import groups as groups_mod
 from .agree import agree
 from .engine import AdamWEngine, Segment, StepLayout
+from .seam import OVERLAP_FLAG as _FLAG
+from .seam import HookSeam
 
-logger = logging.getLogger("zero_ext")
-
-_FLAG = "overlap_with_ddp=True"
-
-
-def supported_optimizer(optimizer_class: type) -> bool:
-    """The classes torch's overlap supports (those with a functional twin in
-    torch.distributed.optim: SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop),
-    plus zero_ext's FusedAdamW: each steps a param from that param's grad alone."""
-    from torch.distributed.optim.utils import functional_optim_map
-
-    from .fused_adamw import FusedAdamW
-
-    return optimizer_class in functional_optim_map or (
-        isinstance(optimizer_class, type) and issubclass(optimizer_class, FusedAdamW))
-
-
-def check_options(optimizer_class: type, master_weights: bool, overlap_with_ddp) -> None:
-    """Construction (raised on every rank by the caller): what overlap_with_ddp=True needs."""
-    if not overlap_with_ddp:
-        return
-    if not supported_optimizer(optimizer_class):
-        raise ValueError(
-            f"{_FLAG} steps inside DDP's backward without a closure, per bucket; it supports "
-            "SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop (as torch does) and "
-            f"zero_ext.FusedAdamW, not {getattr(optimizer_class, '__name__', optimizer_class)}")
-    if master_weights:
-        raise ValueError(f"master_weights=True is not supported with {_FLAG}")
-
-
-def user_step(zero) -> None:
-    """`step()` with overlap: the hook has stepped already (torch returns None too)."""
-    if getattr(zero, "found_inf", None) is not None or getattr(zero, "grad_scale", None) \
-            is not None:
-        raise RuntimeError(
-            f"a GradScaler cannot drive an optimizer built with {_FLAG}: the step ran inside "
-            "backward on the still-scaled grads. Use zero_ext.ddp_zero_hook.reduce_scatter_hook "
-            "with opt.step() instead")
-    if not getattr(zero, "_overlap_step_warned", False):
-        zero._overlap_step_warned = True
-        logger.warning("zero_ext: step() does nothing with %s: the DDP comm hook steps inside "
-                       "backward (remove step() from the training loop)", _FLAG)
-
-
-def refuse_clip(zero) -> None:
-    """clip_grad_norm_ with overlap: the step has already read the unclipped grads."""
-    if zero._overlap_with_ddp:
-        raise RuntimeError(
-            f"clip_grad_norm_ has no place with {_FLAG}: the step runs inside backward, before "
-            "any clip. Use zero_ext.ddp_zero_hook.reduce_scatter_hook with opt.clip_grad_norm_ "
-            "and opt.step() instead")
+# which BucketStepper steps each optimizer (one DDP model per optimizer)
+_BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _GradSource:
@@ -104,23 +56,21 @@ class _GradSource:
 
 
 def _check_hook_args(hook, ddp, zero, shard_buckets) -> None:
-    from .zero import ZeroRedundancyOptimizer
-
     if not callable(hook):
         raise TypeError(f"hook must be a DDP comm hook (a callable), got {hook!r}")
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"ddp must be a DistributedDataParallel, got {type(ddp).__name__}")
-    if not isinstance(zero, ZeroRedundancyOptimizer):
+    if not isinstance(getattr(zero, "hook_seam", None), HookSeam):
         raise TypeError(
             "zero must be a zero_ext.ZeroRedundancyOptimizer built with overlap_with_ddp=True, "
             f"got {type(zero).__module__}.{type(zero).__name__}")
     if not isinstance(shard_buckets, bool):
         raise TypeError(f"shard_buckets must be a bool, got {shard_buckets!r}")
-    if not zero._overlap_with_ddp:
+    if not zero.hook_seam.overlap_with_ddp:
         raise ValueError(
             "ZeroRedundancyOptimizer must be constructed with overlap_with_ddp=True to use this "
             "hook")
-    bound = getattr(zero, "_overlap", None)
+    bound = _BOUND.get(zero)
     if bound is not None and bound.ddp() is not ddp:
         raise ValueError("this ZeroRedundancyOptimizer already steps inside the backward of "
                          "another DDP model; build one optimizer per model")
@@ -136,7 +86,7 @@ def _check_hook_args(hook, ddp, zero, shard_buckets) -> None:
             raise ValueError("the optimizer's process group has ranks outside DDP's process "
                              f"group ({sorted(ours - theirs)}): DDP averages no grads there")
     in_ddp = {id(p) for p in ddp.module.parameters()}
-    missing = [i for i, p in enumerate(zero._all_params)
+    missing = [i for i, p in enumerate(zero.hook_seam.params)
                if p.requires_grad and id(p) not in in_ddp]
     if missing:
         raise ValueError(f"params {missing[:8]} of the optimizer are not params of this DDP "
@@ -152,12 +102,12 @@ def build_hook(hook, ddp, zero, shard_buckets: bool, interleaved: bool, what: st
         error = exc
     if isinstance(ddp, DistributedDataParallel):
         group = ddp.process_group
-    elif getattr(zero, "_overlap_with_ddp", None) is not None and hasattr(zero, "plan"):
+    elif isinstance(getattr(zero, "hook_seam", None), HookSeam):
         group = zero.process_group
     else:  # neither tells which ranks take part: nothing to agree over
         raise error
     agree(group, dist.get_world_size(group), error, what)
-    stepper = zero._overlap = BucketStepper(zero, ddp, interleaved)
+    stepper = _BOUND[zero] = BucketStepper(zero, ddp, interleaved)
 
     def hook_with_zero(state, bucket):
         stepper.check_join()  # before the all-reduce: every rank raises at the same point
@@ -183,6 +133,7 @@ class BucketStepper:
 
     def __init__(self, zero, ddp, interleaved: bool):
         self.zero = zero
+        self.seam: HookSeam = zero.hook_seam  # all this reads of the optimizer, or asks
         self.ddp = weakref.ref(ddp)
         self.interleaved = interleaved
         # Per DDP bucket, from the recording iteration: its params, and whether any rank gave
@@ -201,7 +152,7 @@ class BucketStepper:
     # ------------------------------------------------------------------ per bucket
 
     def check_join(self) -> None:
-        if self.zero._join_config.enable or self.ddp()._join_config.enable:
+        if self.seam.joined or self.ddp()._join_config.enable:
             raise RuntimeError(
                 f"{_FLAG} does not support Join (uneven inputs): a joined rank would not take "
                 "part in the step's exchange")
@@ -254,34 +205,33 @@ class BucketStepper:
     # ------------------------------------------------------------------ per iteration
 
     def _start_iteration(self) -> None:
-        zero = self.zero
+        zero, seam = self.zero, self.seam
         self.error, self.stepped = None, []
         try:
-            if zero._replicas.refresh():  # memory replaced with p.data = t: follow it
+            if seam.refresh():  # memory replaced with p.data = t: follow it
                 self.plan_key = None
             if self.plan_key != self._plan_key():
                 self._bind_plan()
             groups_mod.copy_hyperparameters(zero.param_groups, zero.optim.param_groups)
-            self.fused = zero._fused_step_supported()
+            self.fused = seam.fused_step_supported()
         except Exception as exc:  # noqa: BLE001 - raised on every rank at the last bucket
             self.error = exc
-        zero._state_changed()
+        seam.state_changed()
 
     def _plan_key(self) -> tuple:
         zero = self.zero
-        return id(zero.plan), id(zero.plan.local), len(zero._all_params)
+        return id(zero.plan), id(zero.plan.local), len(self.seam.params)
 
     def _bind_plan(self) -> None:
         """Which of this rank's pieces each DDP bucket feeds (after construction, a new
         param group, or moved memory): from the recorded buckets, over the current params."""
-        zero = self.zero
+        zero, params = self.zero, self.seam.params
         plan = zero.plan
-        index = {id(p): i for i, p in enumerate(zero._all_params)}
+        index = self.seam.param_index()
         self.bucket_ids = [[index.get(id(p)) for p in ps] for ps in self.bucket_params]
         where = {pid: b for b, ids in enumerate(self.bucket_ids) for pid in ids
                  if pid is not None}
-        missing = [i for i, p in enumerate(zero._all_params)
-                   if p.requires_grad and i not in where]
+        missing = [i for i, p in enumerate(params) if p.requires_grad and i not in where]
         if missing:  # e.g. add_param_group with params DDP does not reduce
             raise ValueError(f"params {missing[:8]} of the optimizer are in none of this DDP "
                              "model's buckets: its backward never gives them a grad to step")
@@ -291,7 +241,7 @@ class BucketStepper:
             if b is not None:
                 chunks[b].append(Segment(lp.key, 0, lp.length, lp.group, lp.param_id,
                                          lp.start))
-        self.sources = [_GradSource(p.shape) for p in zero._all_params]
+        self.sources = [_GradSource(p.shape) for p in params]
         self.layout = StepLayout(self.sources, chunks)
         self.engine = AdamWEngine(zero.optimizer_class)
         self.plan_key = self._plan_key()
@@ -327,7 +277,7 @@ class BucketStepper:
             value = value[0]
         flat = value.reshape(-1)
         base = bucket.buffer().storage_offset()
-        params = self.zero._all_params
+        params = self.seam.params
         for pid, used, g in zip(self.bucket_ids[b], self.used[b], bucket.gradients()):
             if pid is not None and (used or params[pid].grad is not None):
                 # DDP lays a dense param's grad out in the param's own memory order
@@ -357,23 +307,10 @@ class BucketStepper:
         finally:
             for k, g in zip(keys, saved):
                 k.grad = g
-            if zero._stepper is not None:
-                zero._stepper.reset()  # the user's step path: state may be new
+            self.seam.reset_fused_views()  # the user's step path: state may be new
 
     def _finish_iteration(self) -> None:
         """Every all-reduce is done: agree on errors and hyperparameters, then every owner's
         update reaches every rank (the regular exchange of the optimizer)."""
-        zero = self.zero
-        hp = zero._hyperparameter_digest()
-        mask = tuple(zero._trainable_mask())
-        mask_hash = hash(mask) & ((1 << 62) - 1)
-        top, bottom, hp_top, hp_bottom = agree(
-            zero.process_group, zero.world_size, self.error, "zero_ext overlap step in DDP's "
-            "backward", (mask_hash, -mask_hash, hp, -hp))
-        zero._check_same_mask(top, bottom)
-        if hp_top != -hp_bottom:
-            raise RuntimeError(
-                f"{_FLAG}: ranks stepped with different hyperparameters (lr, betas, ...) in "
-                "some param group; a scheduler or a manual change must act alike on every rank")
-        zero._replicas.sync(exchange_frozen=False, trainable=mask)
-        groups_mod.copy_hyperparameters(zero.optim.param_groups, zero.param_groups)
+        self.seam.finish_step(self.error, f"zero_ext {_FLAG} step in DDP's backward",
+                              tuple(p.requires_grad for p in self.seam.params))

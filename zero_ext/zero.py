@@ -10,7 +10,6 @@ every rank. docs/design.md describes the whole.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import time
 from typing import Any, Callable
@@ -19,17 +18,19 @@ import torch
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from . import grad_norm, grad_reduce
+from . import grad_norm
 from . import groups as groups_mod
-from . import kernels, launcher, layout, overlap, state
+from . import kernels, launcher, layout, state
 from .agree import agree, agree_on_inputs, rendezvous
 from .fused_adamw import FusedAdamW, fused_path_supported, keep_step_eager
 from .local_step import FusedShardStep
 from .precision import found_inf_flag, generic_precision, kernel_divisor, scale_factor
 from .replicas import Replicas
+from .seam import HookSeam, check_overlap_options, check_same_mask
 from .sync import Exchanger
 
 logger = logging.getLogger("zero_ext")
+_STEP = "ZeroRedundancyOptimizer.step"
 
 SHARDING_MODES = ("auto", "param", "flat", "even")
 # Optimizers whose update of an element depends only on that element (plus per-param
@@ -110,7 +111,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 raise ValueError(f"sharding must be one of {SHARDING_MODES}, got {sharding!r}")
             if not isinstance(master_weights, bool):
                 raise TypeError(f"master_weights must be a bool, got {master_weights!r}")
-            overlap.check_options(optimizer_class, master_weights, overlap_with_ddp)
+            check_overlap_options(optimizer_class, master_weights, overlap_with_ddp)
             splits = sharding in layout.SPLIT_MODES
             if splits and not is_elementwise(optimizer_class):
                 raise ValueError(
@@ -159,9 +160,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         super().__init__(groups, defaults)  # fills defaults into the groups
         Joinable.__init__(self)
         self.register_step_pre_hook(launcher.FirstStepCheck())  # e.g. HF Trainer's callback
-        grad_reduce.track(self)  # reduce_scatter_hook(None, bucket) finds it
         # Every param in group order (torch's ZeRO has this attribute; code in the wild reads it).
         self._all_params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self.hook_seam = HookSeam(self)  # what DDP comm hooks read of it and ask of it
         self._replicas = Replicas(Exchanger(self.process_group, self.rank, self.world_size),
                                   self.parameters_as_bucket_view)
         self._consolidated: dict | None = None  # the full state, on the rank it went to
@@ -354,9 +355,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         raises on every rank before the exchange, so no rank is left waiting.
         """
         if self._overlap_with_ddp:  # the DDP comm hook has stepped (torch returns None)
-            return overlap.user_step(self)
+            return self.hook_seam.user_step()
         Join.notify_join_context(self)
-        closure = grad_reduce.checked_closure(self, closure)  # its backward may run the hook
         # Set around step() by torch.amp.GradScaler (_step_supports_amp_scaling): grads not
         # unscaled yet are divided by grad_scale; found_inf nonzero means skip the step.
         grad_scale = getattr(self, "grad_scale", None)
@@ -371,16 +371,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             inf = int(found_inf_flag(found_inf))
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             inf_error = exc
-        # grads left by reduce_scatter_hook and changed since: an error on every rank
-        reduced, inf_error = grad_reduce.check_grads(self, found_inf is not None, inf_error)
-        if self._replicas.overlapped or found_inf is not None or reduced:
+        # a hook's step pre-hook found the grads unusable (reduce_scatter_hook's check)
+        hooked, hook_error = self.hook_seam.take_agreement()
+        inf_error = inf_error or hook_error
+        if self._replicas.overlapped or found_inf is not None or hooked:
             # Buckets sent from inside the local step (overlapped) must be laid out alike
-            # before anything is sent; GradScaler's verdict and grads changed after the
-            # reduce-scatter hook must be known before anything is stepped: agree first.
+            # before anything is sent; GradScaler's verdict and a hook's verdict on the
+            # grads must be known before anything is stepped: agree first.
             top, bottom, inf = agree(self.process_group, self.world_size, inf_error,
-                                     "ZeroRedundancyOptimizer.step",
-                                     (mask_hash, -mask_hash, inf))
-            self._check_same_mask(top, bottom)
+                                     _STEP, (mask_hash, -mask_hash, inf))
+            check_same_mask(top, bottom, _STEP)
         if mask != self._trainable:
             self._trainable = mask
             if self._replicas.frozen_outside_buckets:
@@ -424,38 +424,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if sends is not None:
             sends.finish()  # the chunks not sent yet (all of them after an early failure)
         t1 = time.perf_counter()
-        hp = self._hyperparameter_digest()
-        frozen_stepped, top, bottom, hp_top, hp_bottom = agree(
-            self.process_group, self.world_size, error, "ZeroRedundancyOptimizer.step",
-            (int(replicas.stepped_a_frozen_param()), mask_hash, -mask_hash, hp, -hp))
-        self._check_same_mask(top, bottom)
-        if hp_top != -hp_bottom:
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer.step: ranks stepped with different hyperparameters "
-                "(lr, betas, weight_decay, ...) in some param group; a scheduler or a manual "
-                "change must act alike on every rank")
-        replicas.sync(exchange_frozen=bool(frozen_stepped), buffers_sent=sends is not None,
-                      trainable=mask_key)
-        groups_mod.copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        self.hook_seam.finish_step(error, _STEP, mask_key, replicas.stepped_a_frozen_param(),
+                                   buffers_sent=sends is not None)
         t2 = time.perf_counter()
         local = t1 - t0 - (sends.comm if sends else 0.0)
         self.last_step_timings = {"local": local, "comm": t2 - t0 - local, "total": t2 - t0}
         return loss
-
-    def _hyperparameter_digest(self) -> int:
-        """60 bits of a stable hash of every group's hyperparameters (what this step uses)."""
-        text = repr([sorted((k, groups_mod.plain_value(v))
-                             for k, v in groups_mod.hyperparameters(g).items())
-                     for g in self.optim.param_groups])
-        return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
-
-    @staticmethod
-    def _check_same_mask(top: int, bottom: int) -> None:
-        """`top`/`bottom`: max over ranks of h and of -h, h a hash of the trainable mask."""
-        if top != -bottom:
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer.step: ranks disagree on which params require grad; "
-                "freeze and unfreeze params alike on every rank")
 
     def _generic_step(self, closure, grad_scale, **kwargs):
         """optimizer_class's own step on the local share. The grads it reads are multiplied
@@ -558,7 +532,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         what happens when the grads or the layout change in between); :meth:`zero_grad`
         drops it. ``norm_type`` is any non-zero p, ``inf`` or ``-inf`` (or their strings).
         """
-        overlap.refuse_clip(self)
+        self.hook_seam.refuse_clip()
         max_norm, norm_type = grad_norm.validate(max_norm, norm_type)
         if self._join_config.enable:
             raise NotImplementedError(

@@ -30,7 +30,7 @@ def main() -> None:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext import ZeroRedundancyOptimizer, grad_reduce
     from zero_ext.integrations import unwrap
 
     acc = Accelerator(cpu=True)
@@ -74,7 +74,7 @@ def main() -> None:
     sd = zero.state_dict() if acc.process_index == 0 else None
     write_result(args.out, acc.process_index, acc.unwrap_model(model).parameters(), sd,
                  {"losses": losses, "sharding": zero.sharding,
-                  "hook_ran": "_grad_reducer" in vars(zero)})
+                  "hook_ran": zero in grad_reduce._REDUCERS})
     acc.wait_for_everyone()
 
 

@@ -66,7 +66,7 @@ def main() -> None:
 
     import pytorch_lightning as pl
 
-    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext import ZeroRedundancyOptimizer, grad_reduce
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -117,7 +117,7 @@ def main() -> None:
     write_result(args.out, rank, module.net.parameters(), sd,
                  {"losses": module.losses,
                   "sharding": trainer.optimizers[0].sharding,
-                  "hook_ran": "_grad_reducer" in vars(trainer.optimizers[0])})
+                  "hook_ran": trainer.optimizers[0] in grad_reduce._REDUCERS})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One prepared GPU check for a lent H200 (bare machine, no network): build the CUDA ops
-# (JIT), run every CUDA test in tests/, then the CUDA kernel benchmarks. Everything is
-# tee'd under $OUT (gpu_check.log = all of it; build.log, tests.log, bench_cuda.md,
-# sanitizer.log); a failed step is logged and the script goes on. Every step's timeout is
-# cut to what is left of a 440 s budget, so the whole script ends in about 7.5 minutes at
+# (JIT), run every CUDA test in tests/, reduce_scatter_hook on NCCL, then the CUDA kernel
+# benchmarks. Everything is tee'd under $OUT (gpu_check.log = all of it; build.log,
+# tests.log, nccl_hook_check.*, bench_cuda.md, sanitizer.log); a failed step is logged and the script goes on. Every step's timeout is
+# cut to what is left of a 540 s budget, so the whole script ends in about 9 minutes at
 # worst (normally 3-5).
 #
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh
@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 cd "$(dirname "$0")/.." || exit 1
 T0=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET_S:-440}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export MAX_JOBS=16
@@ -67,6 +67,12 @@ run 90 "every CUDA test in tests/ (-k cuda)" \
 # (-v and faulthandler: a test that crashes the process is named in the log)
 run 80 "kernel test files in full (CPU + CUDA, masters included)" \
   bash -c "$PY -m pytest tests/test_fused_adamw.py tests/test_fused_adamw_masters.py -v -rs -p faulthandler --timeout 50 -p no:cacheprovider 2>&1 | tee -a $OUT/tests.log"
+
+# reduce_scatter_hook on NCCL, one rank per GPU (world 1 on a one-GPU machine: every code
+# path, nothing moved between GPUs): parity with DDP + AdamW, then ms/iter and peak memory
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU"); [ "$NGPU" -ge 1 ] || NGPU=1
+run 120 "reduce_scatter_hook on NCCL, world $NGPU (benchmarks/nccl_hook_check.py)" \
+  bash -c "$PY -m torch.distributed.run --nproc-per-node=$NGPU --rdzv-backend=c10d --rdzv-endpoint=localhost:0 benchmarks/nccl_hook_check.py --out $OUT 2>&1 | tee $OUT/nccl_hook_check.log"
 
 run 110 "bench_adamw --device cuda" \
   $PY benchmarks/bench_adamw.py --device cuda --reps 20 --max-seconds 3 --out "$OUT/bench_cuda.md"

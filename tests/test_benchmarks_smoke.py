@@ -91,10 +91,19 @@ def test_bench_iteration_quick(quick_run):
         assert rs["sent_mean"] <= ddp + CONTROL_BYTES, (label, rs["calls"])
         # the hook sends each grad element once to its owner: half of DDP's all-reduce
         assert rs["mean_grads"] <= 0.5 + 1e-3, (label, rs["mean_grads"])
-    # the modes that step the same batches agree with DDP + AdamW
-    for label, r in sent.items():
-        if label.split(" (")[0] in ("torch_zero", "zero_ext", "zero_ext_rs"):
-            assert r["max_abs_diff"] <= 1e-5, (label, r["max_abs_diff"])
+    # The modes that step the same batches agree with DDP + AdamW: torch's ZeRO (torch's
+    # fused AdamW) exactly; zero_ext's modes (its own fused AdamW, which rounds differently
+    # in the last bits, turned by Adam into up to a third of a step, 6e-4, on this MLP's
+    # grads below eps, by how torch's CPU kernel rounds on the machine) with each other
+    # (hook or not, any sharding: one kernel on the same averaged grads), and with DDP within
+    # a step's size (a step missed or applied twice is a whole lr on every element).
+    assert sent["torch_zero"]["max_abs_diff"] == 0.0, sent["torch_zero"]
+    ours = {label: r for label, r in sent.items()
+            if label.split(" (")[0] in ("zero_ext", "zero_ext_rs")}
+    assert len(ours) == 4, ours.keys()
+    for label, r in ours.items():
+        assert r["max_abs_diff"] <= 6e-4, (label, r["max_abs_diff"])
+        assert r["diff_to_zero_ext"] <= 1e-6, (label, r["diff_to_zero_ext"])
 
 
 def test_bench_iteration_critical_path(quick_run):
@@ -187,3 +196,24 @@ def test_bench_scale_reduce_scatter_bytes(tmp_path):
     # where a bucket has few owners the busiest link carries several shares
     (param,) = [r for r in rows if r["world"] == 8 and r["sharding"] == "param"]
     assert param["crit_grads"] > 1.0 and param["crit_iter"] > even["crit_iter"], param
+
+
+def test_nccl_hook_check_runs_on_gloo(tmp_path):
+    """The device-ready NCCL script (benchmarks/nccl_hook_check.py), its parity part on gloo at
+    world 2 with the hook's transport forced to NCCL's reduce_scatter_tensor: every mode and
+    dtype matches DDP + AdamW and the hook ran reduce_scatter_tensor only."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("ZERO_EXT_HOOK_TRANSPORT", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
+         os.path.join(ROOT, "benchmarks", "nccl_hook_check.py"), "--device", "cpu",
+         "--no-timing", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "nccl_hook_check.json").read_text())
+    assert result["world"] == 2 and not result["failures"], result
+    assert len(result["parity"]) == 6
+    for key, rec in result["parity"].items():
+        assert rec["hook_collectives"] == ["reduce_scatter_tensor"], (key, rec)
+        assert rec["max_abs_diff"] <= (1e-5 if "float32" in key else 2e-2), (key, rec)

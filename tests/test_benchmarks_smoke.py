@@ -213,7 +213,7 @@ def test_nccl_hook_check_runs_on_gloo(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "nccl_hook_check.json").read_text())
     assert result["world"] == 2 and not result["failures"], result
-    assert len(result["parity"]) == 6
+    assert len(result["parity"]) == 9
     for key, rec in result["parity"].items():
         assert rec["hook_collectives"] == ["reduce_scatter_tensor"], (key, rec)
         assert rec["max_abs_diff"] <= (1e-5 if "float32" in key else 2e-2), (key, rec)

@@ -267,7 +267,69 @@ def test_unknown_transport_is_a_value_error(monkeypatch):
 
     monkeypatch.setattr(grad_reduce, "TRANSPORT", "ring")
     with pytest.raises(ValueError, match="ZERO_EXT_HOOK_TRANSPORT"):
-        grad_reduce.reduce_scatters(torch.zeros(1), None)
+        grad_reduce.reduce_scatters(torch.zeros(1), None, [1])
+
+
+def test_auto_takes_reduce_scatter_on_nccl_only_for_near_equal_shares(monkeypatch):
+    """reduce_scatter_tensor moves W equal blocks: a segment one rank owns (param mode)
+    would cost W-1 times its size per rank, so "auto" keeps all_to_all there."""
+    from types import SimpleNamespace
+
+    from zero_ext import grad_reduce
+
+    cuda = SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(grad_reduce, "TRANSPORT", "auto")
+    monkeypatch.setattr(grad_reduce, "_is_nccl", lambda group: True)
+    assert grad_reduce.reduce_scatters(cuda, None, [100, 100, 100, 100])
+    assert grad_reduce.reduce_scatters(cuda, None, [100, 100, 100, 90])  # chunk rounding
+    assert not grad_reduce.reduce_scatters(cuda, None, [400, 0, 0, 0])
+    assert not grad_reduce.reduce_scatters(cuda, None, [150, 100, 100, 50])
+    assert not grad_reduce.reduce_scatters(SimpleNamespace(is_cuda=False), None,
+                                           [100, 100, 100, 100])
+    monkeypatch.setattr(grad_reduce, "_is_nccl", lambda group: False)  # gloo
+    assert not grad_reduce.reduce_scatters(cuda, None, [100, 100, 100, 100])
+
+
+def _fp16_large_grads(rank, world, transport):
+    """Identical batches on every rank, the loss scaled so that the largest local grad is
+    4e4: the sum of W copies overflows float16 (65504) unless divided first, as DDP does.
+    Returns the largest error of this rank's averaged owned grads against DDP's (fp32), over
+    the largest grad."""
+    import torch.distributed as dist
+
+    cfg = dict(sharding="even", dtype=torch.float16, transport=transport)
+    (ref, _), (zero, opt) = _pair(rank, cfg)
+    x = _batch(0, 0)  # the same on every rank
+    ref(x).square().mean().backward()  # (DDP's first iteration: all-reduced by the hook)
+    g_max = torch.tensor([max(p.grad.abs().max().item() for p in ref.parameters()
+                              if p.grad is not None and p.grad.numel())])
+    dist.all_reduce(g_max, op=dist.ReduceOp.MAX)
+    scale = 4e4 / g_max.item()
+    for p in list(ref.parameters()) + list(zero.parameters()):
+        p.grad = None
+    zero(x.half()).float().square().mean().backward()
+    for p in zero.parameters():
+        p.grad = None
+    (ref(x).square().mean() * scale).backward()
+    (zero(x.half()).float().square().mean() * scale).backward()
+    worst = 0.0
+    runs = opt.hook_seam.ownership().runs
+    ref_of = {id(b): a for a, b in zip(ref.parameters(), zero.parameters())}
+    for pid, b in enumerate(opt.hook_seam.params):  # (the optimizer's order: its groups)
+        a = ref_of[id(b)]
+        for r, start, length in runs.get(pid, ()):
+            if r == rank and length:
+                mine = b.grad.reshape(-1)[start:start + length].float()
+                want = a.grad.reshape(-1)[start:start + length]
+                assert torch.isfinite(mine).all(), f"param {pid}: inf/nan in owned grads"
+                worst = max(worst, (mine - want).abs().max().item())
+    return worst / 4e4  # (relative to the largest grad: fp16's forward rounds too)
+
+
+@pytest.mark.parametrize("transport", ["reduce_scatter", "all_to_all"])
+def test_fp16_grads_near_the_top_of_the_range_are_averaged_not_overflowed(transport):
+    for worst in run_world(_fp16_large_grads, 2, transport):
+        assert worst <= 1e-2, worst
 
 
 # ------------------------------------------------------------------ checkpoints across modes
@@ -328,6 +390,9 @@ def _misuse(rank, world, how):
     elif how == "replace-grad":
         p = next(zero.parameters())
         p.grad = p.grad.clone()
+    elif how == "torch-clip-in-a-step-pre-hook":  # the step reads the grads after its hooks
+        opt.register_step_pre_hook(
+            lambda o, args, kwargs: torch.nn.utils.clip_grad_norm_(zero.parameters(), 1e-3))
     elif how == "scaler-then-torch-clip":
         scaler = torch.amp.GradScaler("cpu")
         opt.zero_grad()
@@ -348,11 +413,42 @@ def _misuse(rank, world, how):
 
 @pytest.mark.parametrize("how", ["torch-clip", "torch-clip-bucket-view", "scale-one-grad",
                                  "replace-grad", "scaler-then-torch-clip",
-                                 "closure-torch-clip"])
+                                 "closure-torch-clip", "torch-clip-in-a-step-pre-hook"])
 def test_grads_changed_after_the_hook_raise_on_every_rank(how):
     msgs = run_world(_misuse, 2, how)
     for m in msgs:
         assert m is not None and "clip_grad_norm_" in m, m
+
+
+def _step_that_never_started(rank, world):
+    """Grads changed after the hook, then a step that fails in a pre-hook before it starts;
+    zero_grad and a clean backward: that step is a normal one (nothing of the first one's
+    verdict is left behind), equal to DDP + AdamW's."""
+    (ref, o_ref), (zero, opt) = _pair(rank, dict(sharding="even"))
+    for ddp, o in ((ref, o_ref), (zero, opt)):
+        _iteration(rank, 0, ddp, o, {}, ddp is ref)
+    zero(_batch(rank, 1)).square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(zero.parameters(), 1e-3)
+
+    def refuse(o, args, kwargs):
+        raise ValueError("not now")
+
+    handle = opt.register_step_pre_hook(refuse)
+    try:
+        opt.step()
+    except ValueError as exc:
+        first = str(exc)
+    handle.remove()
+    opt.zero_grad()
+    for ddp, o in ((ref, o_ref), (zero, opt)):
+        _iteration(rank, 1, ddp, o, {}, ddp is ref)
+    for a, b in zip(ref.module.parameters(), zero.module.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), **TOL)
+    return first
+
+
+def test_a_step_that_never_started_leaves_no_verdict_behind():
+    assert run_world(_step_that_never_started, 2) == ["not now"] * 2
 
 
 def _join(rank, world):

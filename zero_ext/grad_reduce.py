@@ -21,7 +21,7 @@ step, an iteration moves DDP's bytes.
 - A bucket that holds params of no zero_ext optimizer, or of several, is all-reduced as DDP
   does (correct, DDP's bytes for it).
 - The optimizer is reached only through its `hook_seam` (zero_ext/seam.py); this module
-  keeps its own state per optimizer, and its check before a step is a step pre-hook.
+  keeps its own state per optimizer and registers its check before a step with the seam.
 
 After the hook, `.grad` holds the averaged grad only where this rank owns the elements;
 elsewhere it is this rank's local grad. So a script that changes grads in place between
@@ -40,10 +40,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .agree import agree
-from .seam import HookSeam, newest_holding
+from .seam import HookSeam, newest_holding, register_step_check
 from .sync import wire_view
 
 
@@ -55,27 +54,35 @@ from .sync import wire_view
 # more peak RSS for the hook in "even" mode).
 SEGMENT_BYTES = 4 << 20
 
-# How a segment travels: "auto" is `reduce_scatter_tensor` on NCCL (equal work on every
-# link, half an all-reduce's time) and `all_to_all_single` plus a local sum elsewhere (on
-# gloo, reduce_scatter_tensor costs a whole all-reduce: 134-145 ms against 100-111 ms for a
-# 4 MB bucket at world 4 behind 400 Mbit/s links); "reduce_scatter" or "all_to_all" force
-# one (tests, benchmarks). Every rank must use the same.
+# How a segment travels: "auto" is `reduce_scatter_tensor` on NCCL when the owners' shares
+# of the segment are near equal (every link then does equal work, half an all-reduce's
+# time), else `all_to_all_single` plus a local sum: reduce_scatter_tensor moves W equal
+# blocks, so a segment one rank owns (param mode) would cost W-1 times its size per rank.
+# On gloo reduce_scatter_tensor costs a whole all-reduce (134-145 ms against 100-111 ms for
+# a 4 MB bucket at world 4 behind 400 Mbit/s links). "reduce_scatter" or "all_to_all"
+# force one (tests, benchmarks). Every rank must use the same.
 TRANSPORTS = ("auto", "reduce_scatter", "all_to_all")
 TRANSPORT = os.environ.get("ZERO_EXT_HOOK_TRANSPORT", "auto")
+# "auto" takes reduce_scatter_tensor when the padding to W equal blocks adds at most this
+# much to the segment (sharding="even": chunk rounding only)
+REDUCE_SCATTER_MAX_PADDING = 0.125
 
 
 def _is_nccl(group) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
 
 
-def reduce_scatters(buf: torch.Tensor, group) -> bool:
-    """Whether the hook's segments of `buf` travel by reduce_scatter_tensor over `group`."""
+def reduce_scatters(buf: torch.Tensor, group, splits: list) -> bool:
+    """Whether a segment of `buf` with these owners' `splits` travels by
+    reduce_scatter_tensor over `group` (decided from the plan: alike on every rank)."""
     if TRANSPORT not in TRANSPORTS:
         raise ValueError(f"ZERO_EXT_HOOK_TRANSPORT must be one of {TRANSPORTS}, got "
                          f"{TRANSPORT!r}")
     if TRANSPORT != "auto":
         return TRANSPORT == "reduce_scatter"
-    return buf.is_cuda and _is_nccl(group)
+    padded = len(splits) * max(splits)
+    return (buf.is_cuda and _is_nccl(group)
+            and padded <= (1 + REDUCE_SCATTER_MAX_PADDING) * sum(splits))
 
 
 @dataclass
@@ -205,8 +212,10 @@ class GradReducer:
             prev.wait()  # the lane's last segment, written back: its scratch is free again
         replicas = self.replica_group
         total = world * (1 if replicas is None else dist.get_world_size(replicas))
-        if reduce_scatters(buf, lanes[lane]):
-            work, owned_sum = self._issue_reduce_scatter(lanes[lane], lane, buf, seg, me)
+        divisor = total  # what the sum is still to be divided by
+        if reduce_scatters(buf, lanes[lane], seg.splits):
+            work, owned_sum, divisor = self._issue_reduce_scatter(lanes[lane], lane, buf, seg,
+                                                                  me, total)
         else:
             work, owned_sum = self._issue_all_to_all(lanes[lane], lane, buf, seg, me,
                                                      direct=replicas is None)
@@ -214,9 +223,10 @@ class GradReducer:
         def write_back(summed) -> torch.Tensor:
             if summed is None:  # (direct: in the runs already)
                 for o, n in seg.runs[me]:
-                    buf[o:o + n].div_(total)
+                    buf[o:o + n].div_(divisor)
                 return buf
-            summed.div_(total)
+            if divisor != 1:
+                summed.div_(divisor)
             pos = 0
             for o, n in seg.runs[me]:
                 buf[o:o + n].copy_(summed[pos:pos + n])
@@ -310,22 +320,29 @@ class GradReducer:
         return work, owned_sum
 
     def _issue_reduce_scatter(self, group, lane: int, buf: torch.Tensor, seg: _Segment,
-                              me: int):
+                              me: int, total: int):
         """One `reduce_scatter_tensor` (NCCL's: every link does equal work, the sum on the
         wire in the grads' dtype, as DDP's all-reduce sums): rank r's runs packed into the
         r-th of W equal blocks (the largest rank's share; the rest of a block is padding
         nobody reads). With a single owned run of the block's length the output is that
-        run of the bucket itself."""
+        run of the bucket itself. float16 grads are divided by `total` while packed, before
+        the sum (as DDP divides before its all-reduce): W copies summed on the wire would
+        overflow from 65504 / W. Returns the work, the function that gives this rank's sum,
+        and what that sum is still to be divided by."""
         world, mine = len(seg.splits), seg.splits[me]
         block = max(seg.splits)
-        if seg.in_place and all(n == block for n in seg.splits):
+        first = buf.dtype == torch.float16
+        if seg.in_place and all(n == block for n in seg.splits) and not first:
             send = buf[seg.start:seg.start + block * world]
         else:
             send = self._scratch(lane, "send", block * world, buf)
             for r in range(world):
                 pos = r * block
                 for o, n in seg.runs[r]:
-                    send[pos:pos + n].copy_(buf[o:o + n])
+                    if first:
+                        torch.div(buf[o:o + n], total, out=send[pos:pos + n])
+                    else:
+                        send[pos:pos + n].copy_(buf[o:o + n])
                     pos += n
         # (an output inside the input is NCCL's in-place form; gloo is not promised it)
         straight = (len(seg.runs[me]) == 1 and mine == block
@@ -338,7 +355,7 @@ class GradReducer:
         def owned_sum():
             return out[:mine]
 
-        return work, owned_sum
+        return work, owned_sum, 1 if first else total
 
     def _scratch(self, lane: int, name: str, n: int, like: torch.Tensor,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -771,28 +788,15 @@ def checked_closure(opt, closure):
     return run
 
 
-def _before_step(opt, args, kwargs):
-    """The step pre-hook: the verdict of `check_grads` goes to the step through the seam
-    (which then agrees before stepping and raises it on every rank), and a closure is
-    checked after it ran."""
-    seam = getattr(opt, "hook_seam", None)
-    if not isinstance(seam, HookSeam) or seam.overlap_with_ddp:
-        return None  # any other optimizer; or one whose steps run inside the backward
-    if _Cut.made:  # (else no grad was reduce-scattered yet)
-        reduced, error = check_grads(opt, getattr(opt, "found_inf", None) is not None, None)
-        if reduced:
-            seam.require_agreement(error)
-    # (torch passes the optimizer itself as args[0])
-    if len(args) > 1 and callable(args[1]):
-        return (args[0], checked_closure(opt, args[1]), *args[2:]), kwargs
-    if callable(kwargs.get("closure")):
-        return args, {**kwargs, "closure": checked_closure(opt, kwargs["closure"])}
-    return None
+def _check_step(opt, closure, scaler: bool):
+    """The check at the start of every ZeroRedundancyOptimizer step (seam.register_step_check):
+    whether the hook reduced its grads since the last step and what makes them unusable
+    (check_grads), and the closure checked after it ran."""
+    reduced, error = check_grads(opt, scaler, None) if _Cut.made else (False, None)
+    return reduced, error, (None if closure is None else checked_closure(opt, closure))
 
 
-# The check before every ZeroRedundancyOptimizer step, as a global Optimizer step pre-hook
-# (torch's API), registered when this module loads: before any DDP model can run the hook,
-# and before the step whose closure may run the first backward through it. It also guards
-# an optimizer the hook never saw (one built to replace another), and the optimizer itself
-# knows nothing of the hook.
-_STEP_CHECK = register_optimizer_step_pre_hook(_before_step)
+# Registered when this module loads: before any DDP model can run the hook, and before the
+# step whose closure may run the first backward through it. Every optimizer's step runs it,
+# also one the hook never saw (one built to replace another).
+register_step_check(_check_step)

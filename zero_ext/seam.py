@@ -5,9 +5,9 @@ Every optimizer has one, `opt.hook_seam` (a `HookSeam`). A hook reads through it
 needs of the optimizer (its params in order, who owns which elements, the exchange's
 process groups, whether a Join is active) and asks through it what it needs done (agree on
 an error before the next step, refresh moved memory, end a step it ran itself with the
-optimizer's own agreement and exchange). The optimizer imports no hook: a hook's check
-before a step is an Optimizer step pre-hook the hook registers itself, and a hook's state
-per optimizer is an object the hook module keeps (as torch's PowerSGD hook keeps its own).
+optimizer's own agreement and exchange). The optimizer imports no hook: a hook module
+registers its check of the grads at the start of every step here (`register_step_check`),
+and keeps its state per optimizer itself (as torch's PowerSGD hook keeps its own).
 
 Also here, the rules of the constructor flag ``overlap_with_ddp`` that the optimizer
 applies itself (what construction accepts, what ``step()`` and ``clip_grad_norm_`` do).
@@ -37,6 +37,20 @@ OVERLAP_FLAG = "overlap_with_ddp=True"
 _LIVE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _built = itertools.count()
 
+# check(opt, closure, scaler) -> (agree first?, error or None, closure): run by every step
+_STEP_CHECKS: list = []
+
+
+def register_step_check(check) -> None:
+    """Run `check` at the start of every ZeroRedundancyOptimizer step, where the step itself
+    reads the grads: after the Optimizer step pre-hooks (a pre-hook that clips or rescales
+    the grads is seen), before anything is stepped. It returns whether the step must agree
+    across ranks before stepping, an error to raise on every rank then, and the closure to
+    run in place of the step's (it may wrap it). Not an Optimizer pre-hook: those run first,
+    before the user's own, and a verdict they leave survives a step that never starts."""
+    if check not in _STEP_CHECKS:
+        _STEP_CHECKS.append(check)
+
 
 def newest_holding(param: torch.Tensor):
     """The most recently built optimizer alive whose params include `param`, or None: an
@@ -62,7 +76,6 @@ class HookSeam:
         self._zero = weakref.ref(zero)  # (the optimizer holds its seam)
         self._index: tuple | None = None
         self._ownership: tuple | None = None
-        self._agreement: list | None = None  # [error or None], from require_agreement
         self._step_warned = False
         _LIVE[next(_built)] = zero
 
@@ -120,19 +133,15 @@ class HookSeam:
         return self._zero()._overlap_with_ddp
 
     # -------------------------------------------------------------- what a hook asks
-    def require_agreement(self, error: BaseException | None = None) -> None:
-        """The next step agrees across ranks before it steps anything, and raises `error`
-        (the first one given) on every rank: a step pre-hook's verdict on the grads."""
-        if self._agreement is None:
-            self._agreement = [error]
-        elif self._agreement[0] is None:
-            self._agreement[0] = error
-
-    def take_agreement(self) -> tuple[bool, BaseException | None]:
-        """(the step's side) Whether a hook asked for agreement since the last step, and
-        its error."""
-        asked, self._agreement = self._agreement, None
-        return (False, None) if asked is None else (True, asked[0])
+    def check_step(self, closure, scaler: bool) -> tuple:
+        """(the step's side) Every registered check on this step's grads: (agree first?, the
+        first error, the closure to run)."""
+        agree_first, error = False, None
+        for check in _STEP_CHECKS:
+            needed, err, closure = check(self._zero(), closure, scaler)
+            agree_first = agree_first or needed
+            error = error or err
+        return agree_first, error, closure
 
     def refresh(self) -> bool:
         """Follow params whose memory was replaced (``p.data = t``); True when one was."""

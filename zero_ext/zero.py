@@ -371,8 +371,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             inf = int(found_inf_flag(found_inf))
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             inf_error = exc
-        # a hook's step pre-hook found the grads unusable (reduce_scatter_hook's check)
-        hooked, hook_error = self.hook_seam.take_agreement()
+        # grads left by reduce_scatter_hook and changed since: an error on every rank (and
+        # a closure whose backward may run the hook is checked after it ran)
+        hooked, hook_error, closure = self.hook_seam.check_step(closure, found_inf is not None)
         inf_error = inf_error or hook_error
         if self._replicas.overlapped or found_inf is not None or hooked:
             # Buckets sent from inside the local step (overlapped) must be laid out alike

@@ -186,12 +186,12 @@ def main() -> int:
     if args.device == "cpu":
         os.environ.setdefault("ZERO_EXT_HOOK_TRANSPORT", "reduce_scatter")
     backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
               if args.device == "cuda" else torch.device("cpu"))
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # before the NCCL group: its communicator's device
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
     result = {"world": world, "backend": backend, "parity": {}, "failures": []}
     for sharding in ("param", "flat", "even"):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -196,6 +196,29 @@ def plan_messages(buckets, world: int, active: Callable[[int], bool],
     return out
 
 
+def _on_lanes(lanes: list, items: list, issue: Callable, finish: Callable) -> None:
+    """Item i travels on lane i % len(lanes), at most one op in flight per lane (several
+    async ops on one gloo group can start in a different order on different ranks):
+    `issue(item, lane)` starts its op and returns (work, state); once the work is done,
+    `finish(item, state)` runs, before the lane's next item is issued (so it may reuse
+    the lane's buffers) and for every lane at the end."""
+    pending: list = [None] * len(lanes)
+
+    def complete(lane: int) -> None:
+        if pending[lane] is not None:
+            item, work, state = pending[lane]
+            work.wait()
+            pending[lane] = None
+            finish(item, state)
+
+    for i, item in enumerate(items):
+        lane = i % len(lanes)
+        complete(lane)
+        pending[lane] = (item, *issue(item, lane))
+    for lane in range(len(lanes)):
+        complete(lane)
+
+
 def exchange_pieces(ex: Exchanger, messages: list[Message],
                     view_of: Callable[[int, int, int], torch.Tensor]) -> None:
     """Broadcast every message from its owner into the params of every other rank.
@@ -206,8 +229,6 @@ def exchange_pieces(ex: Exchanger, messages: list[Message],
     """
     if ex.world == 1 or not messages:
         return
-    lanes = ex.lanes
-    pending: list = [None] * len(lanes)
     staging: dict = {}
 
     def offsets(m: Message) -> list[int]:
@@ -217,12 +238,7 @@ def exchange_pieces(ex: Exchanger, messages: list[Message],
             pos += n
         return out
 
-    def complete(lane: int) -> None:
-        item = pending[lane]
-        if item is None:
-            return
-        work, m, buf = item
-        work.wait()
+    def finish(m: Message, buf: torch.Tensor) -> None:
         if m.owner != ex.rank:
             if m.direct:
                 target = view_of(*m.pieces[0])
@@ -231,11 +247,8 @@ def exchange_pieces(ex: Exchanger, messages: list[Message],
                                  else buf.view(target.shape))
             else:
                 kernels.unflatten_from(buf, [view_of(*pc) for pc in m.pieces], offsets(m))
-        pending[lane] = None
 
-    for i, m in enumerate(messages):
-        lane = i % len(lanes)
-        complete(lane)
+    def issue(m: Message, lane: int) -> tuple:
         if m.direct:
             buf = view_of(*m.pieces[0])
             if not buf.is_contiguous():  # a strided param: one temporary of its size
@@ -250,10 +263,10 @@ def exchange_pieces(ex: Exchanger, messages: list[Message],
             if m.owner == ex.rank:
                 kernels.flatten_into([view_of(*pc) for pc in m.pieces], buf, offsets(m))
         work = dist.broadcast(wire_view(buf, ex.backend), src=ex.global_ranks[m.owner],
-                              group=lanes[lane], async_op=True)
-        pending[lane] = (work, m, buf)
-    for lane in range(len(lanes)):
-        complete(lane)
+                              group=ex.lanes[lane], async_op=True)
+        return work, buf
+
+    _on_lanes(ex.lanes, messages, issue, finish)
 
 
 # ------------------------------------------------------------------ the even exchange
@@ -313,17 +326,10 @@ def exchange_gathers(ex: Exchanger, gathers: list[Gather],
     gather per lane in flight; a lane's buffers are reused once its gather completed."""
     if ex.world == 1 or not gathers:
         return
-    lanes, me, world = ex.lanes, ex.rank, ex.world
-    pending: list = [None] * len(lanes)
+    me, world = ex.rank, ex.world
     staging: dict = {}
 
-    def complete(lane: int) -> None:
-        item = pending[lane]
-        if item is None:
-            return
-        work, g, recv = item
-        work.wait()
-        pending[lane] = None
+    def finish(g: Gather, recv: torch.Tensor) -> None:
         if g.direct:
             return
         # Per param, its chunks sit in column block [off, off + chunk) of the (world, size)
@@ -349,9 +355,7 @@ def exchange_gathers(ex: Exchanger, gathers: list[Gather],
             if tail:
                 dst[full * chunk:].copy_(parts[(first + full) % world, off:off + tail])
 
-    for i, g in enumerate(gathers):
-        lane = i % len(lanes)
-        complete(lane)
+    def issue(g: Gather, lane: int) -> tuple:
         if g.direct:
             pid, ranges, _ = g.params[0]
             full = view_of(pid, 0, world * g.size)
@@ -374,10 +378,10 @@ def exchange_gathers(ex: Exchanger, gathers: list[Gather],
                 kernels.flatten_into(srcs, send, offs)
         work = dist.all_gather_into_tensor(wire_view(recv, ex.backend),
                                            wire_view(send, ex.backend),
-                                           group=lanes[lane], async_op=True)
-        pending[lane] = (work, g, recv)
-    for lane in range(len(lanes)):
-        complete(lane)
+                                           group=ex.lanes[lane], async_op=True)
+        return work, recv
+
+    _on_lanes(ex.lanes, gathers, issue, finish)
 
 
 # ------------------------------------------------------------------ state transport

@@ -32,6 +32,7 @@ step raises on every rank when one changed (GradScaler's own in-place inf check 
 """
 # (no `from __future__ import annotations`: DDP checks the hook's annotations as objects)
 import functools
+import itertools
 import os
 import threading
 import weakref
@@ -212,13 +213,13 @@ class GradReducer:
             prev.wait()  # the lane's last segment, written back: its scratch is free again
         replicas = self.replica_group
         total = world * (1 if replicas is None else dist.get_world_size(replicas))
-        divisor = total  # what the sum is still to be divided by
+        # (divisor: what the sum is still to be divided by)
         if reduce_scatters(buf, lanes[lane], seg.splits):
             work, owned_sum, divisor = self._issue_reduce_scatter(lanes[lane], lane, buf, seg,
                                                                   me, total)
         else:
-            work, owned_sum = self._issue_all_to_all(lanes[lane], lane, buf, seg, me,
-                                                     direct=replicas is None)
+            work, owned_sum, divisor = self._issue_all_to_all(lanes[lane], lane, buf, seg, me,
+                                                              total, direct=replicas is None)
 
         def write_back(summed) -> torch.Tensor:
             if summed is None:  # (direct: in the runs already)
@@ -267,10 +268,11 @@ class GradReducer:
         return result
 
     def _issue_all_to_all(self, group, lane: int, buf: torch.Tensor, seg: _Segment,
-                          me: int, direct: bool):
+                          me: int, total: int, direct: bool):
         """Every rank's runs to their owner in one all_to_all (raw bytes: any dtype on
-        gloo), then the W copies summed here. Returns the work and the function that gives
-        this rank's sum in run order (None: already summed into the runs of `buf`)."""
+        gloo), then the W copies summed here. Returns the work, the function that gives
+        this rank's sum in run order (None: already summed into the runs of `buf`), and
+        what that sum is still to be divided by (`total`)."""
         world, mine = len(seg.splits), seg.splits[me]
         low = buf.dtype in (torch.bfloat16, torch.float16)  # summed in float32
         # full-precision sums without replicas go straight into this rank's runs of the
@@ -283,11 +285,8 @@ class GradReducer:
         if seg.in_place:
             send = buf[seg.start:seg.start + size]
         else:
-            send, pos = self._scratch(lane, "send", size, buf), 0
-            for r in range(world):
-                for o, n in seg.runs[r]:
-                    send[pos:pos + n].copy_(buf[o:o + n])
-                    pos += n
+            send = self._scratch(lane, "send", size, buf)
+            _pack(send, buf, seg.runs, list(itertools.accumulate([0] + seg.splits[:-1])))
         backend = dist.get_backend(group)
         work = dist.all_to_all_single(wire_view(recv, backend), wire_view(send, backend),
                                       output_split_sizes=[mine] * world,
@@ -317,7 +316,7 @@ class GradReducer:
                 pos += n
             return None
 
-        return work, owned_sum
+        return work, owned_sum, total
 
     def _issue_reduce_scatter(self, group, lane: int, buf: torch.Tensor, seg: _Segment,
                               me: int, total: int):
@@ -336,14 +335,8 @@ class GradReducer:
             send = buf[seg.start:seg.start + block * world]
         else:
             send = self._scratch(lane, "send", block * world, buf)
-            for r in range(world):
-                pos = r * block
-                for o, n in seg.runs[r]:
-                    if first:
-                        torch.div(buf[o:o + n], total, out=send[pos:pos + n])
-                    else:
-                        send[pos:pos + n].copy_(buf[o:o + n])
-                    pos += n
+            _pack(send, buf, seg.runs, [r * block for r in range(world)],
+                  total if first else None)
         # (an output inside the input is NCCL's in-place form; gloo is not promised it)
         straight = (len(seg.runs[me]) == 1 and mine == block
                     and (send.data_ptr() != buf.data_ptr() + seg.start * buf.element_size()
@@ -542,6 +535,19 @@ def _settle(result: torch.futures.Future, compute) -> None:
 def _counter_key(g: torch.Tensor) -> tuple:
     base = g._base if g._base is not None else g
     return (base.device, base.untyped_storage().data_ptr())
+
+
+def _pack(send: torch.Tensor, buf: torch.Tensor, runs: list, starts: list,
+          divisor: int | None = None) -> None:
+    """Rank r's runs of `buf`, in order, into `send` from starts[r] (divided by `divisor`
+    on the way when one is given)."""
+    for rr, pos in zip(runs, starts):
+        for o, n in rr:
+            if divisor is None:
+                send[pos:pos + n].copy_(buf[o:o + n])
+            else:
+                torch.div(buf[o:o + n], divisor, out=send[pos:pos + n])
+            pos += n
 
 
 def _part(runs: list, k: int, count: int) -> list:

@@ -8,6 +8,7 @@ the failure was a ValueError, naming the rank), and nothing irreversible has hap
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import logging
@@ -54,6 +55,20 @@ def agree(group, world_size: int, error: BaseException | None, what: str,
                     else RuntimeError
                 raise cls(f"{what}: rank {r} failed ({e[0]}: {e[1]}); every rank stops here")
     return vals[1:]
+
+
+def call_and_agree(fn, group, world_size: int, what: str, with_grad: bool = False):
+    """fn() on every rank (in grad mode when `with_grad`: a step's closure runs forward and
+    backward), then one agreement on its failure: a failure on any rank raises on every
+    rank (as `agree`), before the caller goes on; else fn's result."""
+    error, out = None, None
+    try:
+        with torch.set_grad_enabled(True) if with_grad else contextlib.nullcontext():
+            out = fn()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+        error = exc
+    agree(group, world_size, error, what)
+    return out
 
 
 def agree_on_inputs(group, world_size: int, error: BaseException | None, lines: list[str],

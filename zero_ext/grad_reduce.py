@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .agree import agree
 from .seam import HookSeam, newest_holding, register_step_check
-from .sync import wire_view
+from .sync import reduce_scatter_single, wire_view
 
 
 # Elements one all_to_all of the hook moves at most: a larger DDP bucket travels as several
@@ -115,12 +115,11 @@ class GradReducer:
     def __init__(self, opt):
         self.opt = weakref.ref(opt)
         self.seam: HookSeam = opt.hook_seam  # all this reads of the optimizer, or asks
-        self.buckets: dict[int, _BucketPlan] = {}
+        self.buckets: dict = {}  # (first param's id, DDP bucket index) -> _BucketPlan
         self.replica_group = None
-        self._armed = False     # a callback is queued for the end of this backward
-        self.seq = 0            # the hook's calls in this backward (bucket order)
+        self.seq = 0            # the hook's segments since the last step (issue order)
         self.ordered = _InOrder()
-        self.in_flight: dict = {}  # lane -> the future of its bucket not waited for yet
+        self.in_flight: dict = {}  # lane -> the future of its last segment
         # Scratch per lane, (lane, name, dtype, device) -> buffer, grown to the largest
         # bucket: bounded by the buckets in flight (one per lane), not one set per bucket,
         # and kept from one backward to the next (a fresh multi-MB buffer per bucket per
@@ -129,15 +128,21 @@ class GradReducer:
         self.scratch: dict = {}
         self.accumulated = False  # a backward ran onto reduced grads
         self._watched = 0         # params whose incoming grads are watched
-        # (weakref to the grad, its version) per param once DDP wrote them (weak: a grad
-        # dropped by zero_grad is freed); None for params in buckets that were all-reduced
-        # (their grads are whole: anything may read or change them)
-        self.seen: list | None = None
-        self.cut: _Cut | None = None  # the tag of the grads this backward reduced
-        self.reduced_ids: set[int] = set()  # params reduce-scattered in this backward
-        self.reduced_under = None  # the seam's Ownership they were cut by
-        self.layout_checked = False
-        self.ddp = None  # weakref to the DDP model found by check_layout
+        # Everything below spans the backward passes since the last step (one per DDP
+        # model under this optimizer, each possibly made of nested backwards: reentrant
+        # activation checkpointing), and the step consumes it.
+        self.pending: set[int] = set()  # params reduced, their grads not read yet
+        self._record_queued = False  # a record of `pending` runs after DDP's write-back
+        # param_id -> (weakref to its grad, the grad's version) once DDP wrote it (weak: a
+        # grad dropped by zero_grad is freed); params whose buckets were all-reduced have
+        # none (their grads are whole: anything may read or change them)
+        self.seen: dict[int, tuple] | None = None
+        self.cuts: list[_Cut] = []  # the tags of the grads recorded since the last step
+        # what changed grads had undergone when gather_grads made them whole (changes()):
+        # a clip of partial grads before the gather is still an error at the step
+        self.gathered_changes: dict = {}
+        self.reduced_under: dict = {}  # param_id -> the seam's Ownership it was cut by
+        self.checked_ddps: "weakref.WeakSet" = weakref.WeakSet()  # layouts checked
 
     # -------------------------------------------------------------- ownership
     def bucket_plan(self, bucket) -> _BucketPlan | None:
@@ -147,7 +152,8 @@ class GradReducer:
         ident = tuple(id(p) for p in params)
         ownership = self.seam.ownership()
         owned = ownership.runs
-        bp = self.buckets.get(bucket.index())
+        key = (ident[0], bucket.index())  # (several DDP models: each has a bucket 0)
+        bp = self.buckets.get(key)
         if bp is not None and bp.params == ident and bp.plan_key is ownership.token:
             return bp
         index = self.seam.param_index()
@@ -159,10 +165,12 @@ class GradReducer:
             if pid is None:
                 return None
             ids.append(pid)
+            # DDP buckets a complex grad as its real view: 2 bucket elements per element
+            k = 2 if p.is_complex() else 1
             for r, start, length in sorted(owned.get(pid, ()), key=lambda x: x[1]):
                 if length:
-                    _append_run(runs[r], offset + start, length)
-            offset += p.numel()
+                    _append_run(runs[r], offset + k * start, k * length)
+            offset += k * p.numel()
         if offset != bucket.buffer().numel():
             raise RuntimeError(
                 f"reduce_scatter_hook: DDP bucket {bucket.index()} holds "
@@ -177,14 +185,15 @@ class GradReducer:
         bp = _BucketPlan(ident, ownership.token, tuple(ids), splits,
                          [_segment([_part(rr, k, count) for rr in runs])
                           for k in range(count)])
-        self.buckets[bucket.index()] = bp
+        self.buckets[key] = bp
         return bp
 
     # -------------------------------------------------------------- the reduce
     def reduce(self, bucket, bp: _BucketPlan) -> torch.futures.Future:
-        self._arm()  # here, on the autograd thread (the future's callbacks run elsewhere)
-        self.reduced_ids.update(bp.param_ids)
-        self.reduced_under = self.seam.ownership()
+        ownership = self.seam.ownership()
+        for pid in bp.param_ids:
+            self.reduced_under[pid] = ownership
+        self.pending.update(bp.param_ids)
         buf = bucket.buffer()
         futs = [self._reduce_segment(buf, seg) for seg in bp.segments]
         if len(futs) == 1:
@@ -337,13 +346,15 @@ class GradReducer:
             send = self._scratch(lane, "send", block * world, buf)
             _pack(send, buf, seg.runs, [r * block for r in range(world)],
                   total if first else None)
-        # (an output inside the input is NCCL's in-place form; gloo is not promised it)
+        # (an output inside the input is NCCL's in-place form; gloo is not promised it, but
+        # torch 2.14's gloo gives the right sums for it, so the transport forced on gloo
+        # runs NCCL's form exactly: tests/test_nccl_paths.py)
         straight = (len(seg.runs[me]) == 1 and mine == block
                     and (send.data_ptr() != buf.data_ptr() + seg.start * buf.element_size()
-                         or _is_nccl(group)))
+                         or _is_nccl(group) or TRANSPORT == "reduce_scatter"))
         out = (buf[seg.runs[me][0][0]:seg.runs[me][0][0] + block] if straight
                else self._scratch(lane, "recv", block, buf))
-        work = dist.reduce_scatter_tensor(out, send, group=group, async_op=True)
+        work = reduce_scatter_single(out, send, group=group, async_op=True)
 
         def owned_sum():
             return out[:mine]
@@ -360,24 +371,22 @@ class GradReducer:
         return buf[:n]
 
     # -------------------------------------------------------------- the check
-    def _arm(self) -> None:
-        """Read the grads' versions once DDP has written the reduced buckets into them:
-        its finalizer is queued after the last bucket's hook, so a callback queued from a
-        callback that runs before it comes after it."""
-        if self._armed:
-            return
-        self._armed = True  # the first bucket of a backward
+    def after_bucket(self, bucket) -> None:
+        """After the hook ran for `bucket` (here, on the autograd thread): watch incoming
+        grads, and at DDP's last bucket queue the record of the grads reduced since the
+        last record, to run once DDP has written them back. DDP queues its write-back
+        (finalize) right after the last bucket's hook, into the graph task running now (the
+        innermost backward, under reentrant activation checkpointing); a callback queued
+        from a callback that runs before it comes after it."""
         self._watch_accumulation()
-        self.seen = None
-        self.reduced_ids = set()
-        self.seq = 0
-        self.ordered = _InOrder()
-        self.in_flight = {}  # (DDP waited for every bucket of the last backward)
+        if not bucket.is_last() or not self.pending or self._record_queued:
+            return
         engine = torch.autograd.Variable._execution_engine
         try:
             engine.queue_callback(lambda: engine.queue_callback(self._record))
+            self._record_queued = True
         except RuntimeError:  # not inside a backward (DDP's join hook runs buckets itself)
-            self._armed = False
+            pass
 
     def _watch_accumulation(self) -> None:
         """A hook on every trainable param's incoming grad (registered once per param)
@@ -393,60 +402,74 @@ class GradReducer:
 
     @torch._disable_dynamo
     def _record(self) -> None:
-        self._armed = False
+        """Each grad reduced since the last record, as DDP wrote it: its identity, its
+        version, and the tag naming this optimizer's plan. Kept with the records of the
+        other backward passes before the step (several DDP models): a grad changed after
+        its own model's backward is caught even when another backward came after."""
+        self._record_queued = False
         opt = self.opt()
-        if opt is not None:
-            params = self.seam.params
-            self.seen = seen = [None] * len(params)
-            self.cut = cut = _Cut(self)
-            _Cut.made = True
-            for i in self.reduced_ids:
-                g = params[i].grad
-                if g is not None:
-                    seen[i] = (weakref.ref(g), g._version)
-                    g._zero_ext_cut = cut
+        if opt is None:
+            return
+        params = self.seam.params
+        pending, self.pending = self.pending, set()
+        if self.seen is None:
+            self.seen = {}
+        cut = _Cut(self)
+        self.cuts.append(cut)
+        _Cut.made = True
+        for i in pending:
+            g = params[i].grad
+            if g is not None:
+                self.seen[i] = (weakref.ref(g), g._version)
+                g._zero_ext_cut = cut
+
+    def start_step(self) -> None:
+        """The step reads the grads: what the backward passes left is consumed, and the
+        transfers start afresh (DDP waited for every one before its backward returned)."""
+        self.seen, self.cuts, self.reduced_under, self.gathered_changes = None, [], {}, {}
+        self.seq, self.ordered, self.in_flight = 0, _InOrder(), {}
 
     def moved_ownership(self) -> list[int]:
         """Indices of reduced params whose owners changed since the reduction (a new
         partition between backward and step): their owners now hold unreduced grads."""
-        if self.reduced_under is None or self.seen is None:
+        if not self.reduced_under:
             return []
-        then, now = self.reduced_under, self.seam.ownership()
-        if now.token is then.token:
-            return []
-        return sorted(i for i in self.reduced_ids
-                      if sorted(then.runs.get(i, ())) != sorted(now.runs.get(i, ())))
+        now = self.seam.ownership()
+        return sorted(i for i, then in self.reduced_under.items()
+                      if then.token is not now.token
+                      and sorted(then.runs.get(i, ())) != sorted(now.runs.get(i, ())))
+
+    def changes(self, ids=None) -> dict:
+        """param_id -> "replaced", or (its version bumps since the hook, its grad's counter
+        key), for every recorded grad still held (of `ids`, when given)."""
+        out = {}
+        params = self.seam.params
+        for i, s in (self.seen or {}).items():
+            g = params[i].grad
+            if g is None or (ids is not None and i not in ids):
+                continue  # dropped (not stepped)
+            out[i] = "replaced" if g is not s[0]() else (g._version - s[1], _counter_key(g))
+        return out
 
     def changed_grads(self, scaler: bool) -> list[int]:
         """Indices of params whose grad was replaced or written in place since the hook
-        (GradScaler's one in-place pass over every grad allowed when `scaler`), and
-        forget what was read: the check applies to one step."""
-        seen, self.seen = self.seen, None
-        if seen is None:
+        (GradScaler's one in-place pass over every grad allowed when `scaler`), also those
+        changed before gather_grads made them whole."""
+        if self.seen is None:
             return []
-        self.cut.consumed = True
-        params = self.seam.params
+        for cut in self.cuts:
+            cut.consumed = True
         # A grad's version counter is shared by every grad viewing one buffer (DDP's
         # gradient_as_bucket_view); GradScaler's pass (its inf check in step(), or
         # unscale_) bumps it once per such grad, where its kernel bumps versions at all.
         allowed: dict = {}
         if scaler:
-            for p in params:
+            for p in self.seam.params:
                 if p.grad is not None and _scaler_bumps_versions(p.grad.device):
                     k = _counter_key(p.grad)
                     allowed[k] = allowed.get(k, 0) + 1
-        out = []
-        for i, (p, s) in enumerate(zip(params, seen)):
-            g = p.grad
-            if s is None or g is None:
-                continue  # not reduce-scattered (a whole grad), or dropped (not stepped)
-            if g is not s[0]():
-                out.append(i)  # replaced
-                continue
-            bumped = g._version - s[1]
-            if bumped and bumped != allowed.get(_counter_key(g)):
-                out.append(i)
-        return out
+        return [i for i, c in sorted({**self.gathered_changes, **self.changes()}.items())
+                if c == "replaced" or (c[0] and c[0] != allowed.get(c[1]))]
 
 
 class _Cut:
@@ -483,9 +506,10 @@ def _incoming_grad(reducer_ref, i: int, grad):
     """Tensor hook of param i (see GradReducer._watch_accumulation): runs before autograd
     adds `grad` to the param's .grad."""
     r = reducer_ref()
-    if r is not None and r.seen is not None and r.seen[i] is not None:
+    s = None if r is None or r.seen is None else r.seen.get(i)
+    if s is not None:
         g = None if r.opt() is None else r.seam.params[i].grad
-        if g is not None and g is r.seen[i][0]() and g._version == r.seen[i][1]:
+        if g is not None and g is s[0]() and g._version == s[1]:
             r.accumulated = True
     return None
 
@@ -608,42 +632,36 @@ def _replica_group(group):
         return None
 
 
-def check_layout(reducer, bucket) -> None:
-    """Once per optimizer, before its first reduction: DDP must average over the
-    optimizer's own group (then no replicas, whoever made the group), or over the whole job
-    when that is a hybrid_groups() shard group (then the owned sums are all-reduced across
-    its replica group); else which ranks hold the same elements is unknown and the averages
-    would be wrong. The same on every rank."""
-    opt = reducer.opt()
-    found = None if opt.process_group is None else _ddp_holding(bucket.parameters()[0])
-    ddp = None if found is None else found[0]
-    # (the first-iteration shortcut needs the DDP that runs the hook: unknown among several)
-    reducer.ddp = None if found is None or len(found) > 1 else weakref.ref(ddp)
-    if ddp is not None:
-        theirs = sorted(dist.get_process_group_ranks(ddp.process_group))
-        ours = sorted(dist.get_process_group_ranks(opt.process_group))
-        if theirs == ours:
-            reducer.replica_group = None
-        elif reducer.replica_group is None or theirs != list(range(dist.get_world_size())):
-            raise ValueError(
-                f"reduce_scatter_hook: DDP averages the grads over ranks {theirs}, "
-                f"but the optimizer shards over ranks {ours}"
-                + (" of a hybrid_groups() layout, which needs DDP over the whole job or "
-                   "over the shard group itself"
-                   if reducer.replica_group is not None else
-                   ", a group that zero_ext.hybrid_groups() did not make, so the ranks "
-                   "holding the same shard elsewhere are unknown")
-                + ". Build the optimizer over DDP's own process group, or the groups with "
-                "zero_ext.hybrid_groups() (DDP over the whole job, the optimizer over the "
-                "shard group)")
-    reducer.layout_checked = True
+# What _ddp_of knows of a bucket's DDP model, by the bucket's first param: GradBucket does
+# not say which DDP runs the hook, nor over which process group. id(param) -> (weakref to
+# the param, weakref to the one DDP holding it or None, that DDP's process group, or
+# _SEVERAL when DDP models over different groups hold it, or None when none was found).
+_DDP_OF: dict = {}
+_SEVERAL = object()
 
 
-def _ddp_holding(param):
+def _ddp_of(bucket) -> tuple:
+    """(the DDP model whose bucket this is, or None when several or none hold its params;
+    its process group, or _SEVERAL, or None when no DDP model was found). One scan of the
+    live objects per bucket layout (DDP rebuilds its buckets once), cached after."""
+    p = bucket.parameters()[0]
+    entry = _DDP_OF.get(id(p))
+    if entry is None or entry[0]() is not p:
+        found = _ddp_holding(p)
+        groups = {tuple(sorted(dist.get_process_group_ranks(d.process_group)))
+                  for d in found}
+        group = None if not found else (found[0].process_group if len(groups) == 1
+                                        else _SEVERAL)
+        for k in [k for k, e in _DDP_OF.items() if e[0]() is None]:
+            del _DDP_OF[k]  # (params of models gone)
+        entry = _DDP_OF[id(p)] = (weakref.ref(p),
+                                  weakref.ref(found[0]) if len(found) == 1 else None, group)
+    return (None if entry[1] is None else entry[1]()), entry[2]
+
+
+def _ddp_holding(param) -> list:
     """The DDP models holding `param` that may run this hook (those with it registered, if
-    any), all over one process group; None if none or their groups differ: GradBucket does
-    not tell which DDP calls the hook, and so neither its process group. One scan of the
-    live objects, once per optimizer."""
+    any)."""
     import gc
 
     from torch.nn.parallel import DistributedDataParallel
@@ -654,9 +672,38 @@ def _ddp_holding(param):
              and any(q is param for q in o.module.parameters())]
     hooked = [o for o in found if any(h is reduce_scatter_hook
                                       for h, _ in getattr(o, "_comm_hooks", ()))]
-    found = hooked or found
-    groups = {tuple(sorted(dist.get_process_group_ranks(o.process_group))) for o in found}
-    return found if len(groups) == 1 else None
+    return hooked or found
+
+
+def check_layout(reducer, ddp, group) -> None:
+    """Once per DDP model, before its first reduction: DDP must average over the
+    optimizer's own group (then no replicas, whoever made the group), or over the whole job
+    when that is a hybrid_groups() shard group (then the owned sums are all-reduced across
+    its replica group); else which ranks hold the same elements is unknown and the averages
+    would be wrong. The same on every rank."""
+    if ddp is not None and ddp in reducer.checked_ddps:
+        return
+    opt = reducer.opt()
+    if ddp is not None:
+        reducer.checked_ddps.add(ddp)
+    if group is None or group is _SEVERAL:
+        return  # (unknown: the groups cannot be compared)
+    theirs = sorted(dist.get_process_group_ranks(group))
+    ours = sorted(dist.get_process_group_ranks(opt.process_group or dist.group.WORLD))
+    if theirs == ours:
+        reducer.replica_group = None
+    elif reducer.replica_group is None or theirs != list(range(dist.get_world_size())):
+        raise ValueError(
+            f"reduce_scatter_hook: DDP averages the grads over ranks {theirs}, "
+            f"but the optimizer shards over ranks {ours}"
+            + (" of a hybrid_groups() layout, which needs DDP over the whole job or "
+               "over the shard group itself"
+               if reducer.replica_group is not None else
+               ", a group that zero_ext.hybrid_groups() did not make, so the ranks "
+               "holding the same shard elsewhere are unknown")
+            + ". Build the optimizer over DDP's own process group, or the groups with "
+            "zero_ext.hybrid_groups() (DDP over the whole job, the optimizer over the "
+            "shard group)")
 
 
 def _owner_of(bucket, state: Any):
@@ -677,26 +724,37 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
     reduce_scatter_hook)``; then call ``opt.clip_grad_norm_`` (not torch's) and
     ``opt.step()`` as usual. See the module docstring for what ``.grad`` holds."""
     opt = _owner_of(bucket, state)
-    if opt is None:
-        return _all_reduce(bucket, None)
+    ddp, group = _ddp_of(bucket)
+    if opt is None:  # no zero_ext optimizer holds these params: DDP's own all-reduce
+        if group is _SEVERAL:
+            raise ValueError(
+                "reduce_scatter_hook: the params of DDP bucket "
+                f"{bucket.index()} belong to DDP models over different process groups, and "
+                "no zero_ext optimizer holds them: which group averages them is unknown. "
+                "Register DDP's default all-reduce on the model whose params no zero_ext "
+                "optimizer holds")
+        return _all_reduce(bucket, group)
     if opt.hook_seam.joined:
         raise NotImplementedError(
             "reduce_scatter_hook under a Join context (uneven inputs) is not supported: "
             "register DDP's default all-reduce for training with Join")
     reducer = reducer_of(opt)
-    if not reducer.layout_checked:
-        check_layout(reducer, bucket)
-    ddp = reducer.ddp() if reducer.ddp is not None else None
-    if ddp is not None and not ddp._has_rebuilt_buckets and (
-            not ddp.find_unused_parameters or ddp.static_graph):
-        # DDP's first iteration: one bucket of every grad, rebuilt into buckets of
-        # bucket_cap_mb afterwards; reduce-scattering it would need scratch of the model's
-        # size for the whole run. All-reduced as DDP does: its bytes, for one iteration.
-        return _all_reduce(bucket, ddp.process_group)
-    bp = reducer.bucket_plan(bucket)
-    if bp is None:  # (hybrid: DDP's group is the whole job)
-        return _all_reduce(bucket, None if reducer.replica_group else opt.process_group)
-    return reducer.reduce(bucket, bp)
+    check_layout(reducer, ddp, group)
+    if group is None or group is _SEVERAL:  # (unknown: the optimizer's layout decides)
+        group = None if reducer.replica_group else opt.process_group
+    try:
+        if ddp is not None and not ddp._has_rebuilt_buckets and (
+                not ddp.find_unused_parameters or ddp.static_graph):
+            # DDP's first iteration: one bucket of every grad, rebuilt into buckets of
+            # bucket_cap_mb afterwards; reduce-scattering it would need scratch of the
+            # model's size for the whole run. All-reduced as DDP does: its bytes, once.
+            return _all_reduce(bucket, group)
+        bp = reducer.bucket_plan(bucket)
+        if bp is None:  # (params of no or another optimizer: DDP's all-reduce)
+            return _all_reduce(bucket, group)
+        return reducer.reduce(bucket, bp)
+    finally:
+        reducer.after_bucket(bucket)
 
 
 def _all_reduce(bucket, group) -> torch.futures.Future:
@@ -742,7 +800,10 @@ def check_grads(opt, scaler: bool, error: BaseException | None
             "newest optimizer over the params, and build a replacement optimizer before the "
             "backward whose grads it steps (zero_grad() and a new backward continue from "
             "here)")
-    if reducer is None or reducer.seen is None:
+    if reducer is None:
+        return bool(foreign), error
+    if reducer.seen is None:
+        reducer.start_step()
         return bool(foreign), error
     moved = reducer.moved_ownership()
     if moved and error is None:
@@ -753,6 +814,7 @@ def check_grads(opt, scaler: bool, error: BaseException | None
             "their new owners hold unreduced grads. Call add_param_group before the backward "
             "or after the step; zero_grad() and a new backward continue from here")
     changed = reducer.changed_grads(scaler)
+    reducer.start_step()
     if reducer.accumulated:
         reducer.accumulated = False
         if error is None:
@@ -775,6 +837,42 @@ def check_grads(opt, scaler: bool, error: BaseException | None
     return True, error
 
 
+@torch._disable_dynamo
+def gather_grads(opt) -> None:
+    """Collective (every rank of the optimizer's group): after a backward through
+    `reduce_scatter_hook`, every rank's ``.grad`` holds the averaged grads DDP's all-reduce
+    would have left, so that code reading grads outside the optimizer (a grad-norm log, an
+    EMA of grads, torch's clip_grad_norm_) sees DDP's values. It costs an all-gather of the
+    reduced grads ((W-1)/W of their bytes per rank: what the hook saved); call it only
+    where such a reader runs (a logging step). Nothing to do when the grads are whole
+    already (no backward through the hook since the last step, DDP's first iteration)."""
+    reducer = _REDUCERS.get(opt)
+    reduced = set() if reducer is None or reducer.seen is None else set(reducer.seen)
+    ids = sorted(reduced)
+    digest = hash(tuple(ids)) & ((1 << 62) - 1)
+    error = None if reducer is None or not reducer.pending else RuntimeError(
+        "gather_grads: a backward through reduce_scatter_hook has not finished")
+    top, bottom = agree(opt.process_group, opt.world_size, error, "gather_grads",
+                        (digest, -digest))
+    if top != -bottom:
+        raise RuntimeError("gather_grads: ranks hold reduced grads of different params "
+                           "(call it on every rank, after the same backward)")
+    if not reduced:
+        return
+    changed = reducer.changes(reduced)  # (before the exchange writes into them)
+    opt.hook_seam.exchange_grads(reduced)
+    # whole grads now: as after DDP's all-reduce, anything may read or change them; what
+    # was done to them before, on partial grads, the step still checks
+    reducer.gathered_changes.update({i: c for i, c in changed.items()
+                                     if c == "replaced" or c[0]})
+    for i in ids:
+        g = opt.hook_seam.params[i].grad
+        reducer.seen.pop(i, None)
+        reducer.reduced_under.pop(i, None)
+        if g is not None and getattr(g, "_zero_ext_cut", None) is not None:
+            g._zero_ext_cut = None
+
+
 def _some(ids: list[int]) -> str:
     return f"{ids[:8]}{'...' if len(ids) > 8 else ''}"
 
@@ -785,10 +883,16 @@ def checked_closure(opt, closure):
     ran in it: every rank ran the same closure."""
 
     def run():
-        loss = closure()
-        reduced, error = check_grads(opt, False, None)
+        error, loss = None, None
+        try:
+            loss = closure()
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc  # (after its backward: every rank's hook ran, so every rank agrees)
+        reduced, error = check_grads(opt, False, error)
         if reduced:
             agree(opt.process_group, opt.world_size, error, "ZeroRedundancyOptimizer.step")
+        elif error is not None:
+            raise error  # (the step's own agreement raises it on every rank)
         return loss
 
     return run
@@ -798,7 +902,7 @@ def _check_step(opt, closure, scaler: bool):
     """The check at the start of every ZeroRedundancyOptimizer step (seam.register_step_check):
     whether the hook reduced its grads since the last step and what makes them unusable
     (check_grads), and the closure checked after it ran."""
-    reduced, error = check_grads(opt, scaler, None) if _Cut.made else (False, None)
+    reduced, error = check_grads(opt, scaler, None)
     return reduced, error, (None if closure is None else checked_closure(opt, closure))
 
 

@@ -156,7 +156,8 @@ def plain_value(v: Any) -> Any:
     repr shows: a CUDA tensor lr prints cuda:0 on one rank, cuda:1 on the next; nor its
     repr's 4 printed digits, which hide a real difference), Python scalars by repr (exact
     for floats), containers element by element, other objects by type name only (their
-    repr may hold a memory address, which differs between processes)."""
+    repr may hold a memory address, which differs between processes); numpy scalars and
+    arrays by dtype, shape and bytes."""
     if isinstance(v, torch.Tensor):
         t = v.detach()
         if t.device.type == "meta":
@@ -168,6 +169,11 @@ def plain_value(v: Any) -> Any:
                 hashlib.sha256(data.numpy().tobytes()).hexdigest())
     if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
         return (type(v).__name__, repr(v))
+    if type(v).__module__ == "numpy" and hasattr(v, "tobytes") and hasattr(v, "dtype"):
+        # a numpy scalar or array: by dtype, shape and bytes (np.float32(1e-3) and
+        # np.float32(2e-3) are different values of one type)
+        return ("numpy", str(v.dtype), tuple(getattr(v, "shape", ())),
+                hashlib.sha256(v.tobytes()).hexdigest())
     if isinstance(v, (tuple, list)):
         return ("sequence", tuple(plain_value(x) for x in v))
     if isinstance(v, dict):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["hybrid_groups", "replica_group_of", "job_of", "Job"]
+__all__ = ["hybrid_groups", "replica_group_of", "job_of", "replicated_job", "Job"]
 
 
 def hybrid_groups(shard_size: int | None = None, backend: Any = None) -> tuple[Any, Any]:
@@ -95,6 +95,22 @@ class Job:
     group: Any
     rank: int
     world: int
+
+
+def replicated_job(process_group: Any, rank: int, world: int) -> Job:
+    """The ranks that load a state dict together with an optimizer over `process_group`
+    (of `world` ranks, this one `rank` in it): the whole job when that group is a shard
+    group of hybrid_groups() (its replicas load together, so a dict read on rank 0 only
+    serves every replica, and a bad dict stops every replica), else the group itself (other
+    subgroups may be independent optimizers that load at their own time: pipeline
+    stages)."""
+    if process_group is None:
+        return Job(None, 0, 1)
+    try:
+        replica_group_of(process_group)
+    except ValueError:  # not made by hybrid_groups()
+        return Job(process_group, rank, world)
+    return Job(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
 
 
 def job_of(opt, process_group: Any = None) -> Job:

@@ -285,6 +285,14 @@ class BucketStepper:
                 # every slice as row-major: take the slice with the param's strides
                 off = g.storage_offset() - base
                 p = params[pid]
+                if p.is_complex():
+                    # DDP buckets a complex grad as its real view (2 elements each), and
+                    # GradBucket.gradients() shows only the first half of it
+                    pairs = torch.view_as_complex(flat[off:off + 2 * p.numel()].view(-1, 2))
+                    self.sources[pid].grad = (
+                        pairs.as_strided(p.shape, p.stride(), pairs.storage_offset())
+                        if _dense(p) else pairs.view(p.shape))
+                    continue
                 self.sources[pid].grad = (
                     flat.as_strided(p.shape, p.stride(), flat.storage_offset() + off)
                     if _dense(p) else g)

@@ -17,8 +17,8 @@ import time
 import torch
 
 from . import kernels, layout
-from .sync import (Exchanger, Gather, exchange_gathers, exchange_pieces, plan_gathers,
-                   plan_messages, uses_gathers)
+from .sync import (Exchanger, Gather, bucket_gathers, exchange_gathers, exchange_pieces,
+                   plan_gathers, plan_messages, uses_gathers)
 
 
 class OverlappedSends:
@@ -64,7 +64,8 @@ class Replicas:
     def overlapped(self) -> bool:
         """gloo with bucket views: broadcast chunk k while chunk k+1 is computed. (On NCCL
         one all_gather_into_tensor per bucket after the step is already the fast path.)"""
-        return self.ex.world > 1 and self.bucket_view and self.ex.backend == "gloo"
+        return (self.ex.world > 1 and self.bucket_view and self.ex.backend == "gloo"
+                and not bucket_gathers(self.ex.backend))
 
     @property
     def frozen_outside_buckets(self) -> bool:
@@ -155,6 +156,12 @@ class Replicas:
                     f"parameter {i} changed shape, dtype or device after the optimizer was "
                     f"built ({self._meta[i]} -> {(p.shape, p.dtype, p.device)}); "
                     "build the optimizer after moving or casting the model")
+            if plan.sharding in layout.SPLIT_MODES and not p.is_contiguous():
+                raise ValueError(
+                    f"parameter {i} was given non-contiguous memory after the optimizer was "
+                    f"built (p.data = a transposed or strided tensor); sharding="
+                    f"{plan.sharding!r} splits params by element and needs them contiguous: "
+                    "assign a .contiguous() tensor")
         known = {ptr: i for i, ptr in enumerate(ptrs) if ptr is not None and i not in changed}
         for i in changed:
             tied = plan.alias_of.get(i)
@@ -250,6 +257,21 @@ class Replicas:
             exchange_gathers(self.ex, messages, plan.element_view)
         else:
             exchange_pieces(self.ex, messages, plan.element_view)
+
+    def exchange_views(self, view_of, active) -> None:
+        """Every owner's elements of tensors laid out like the params (`view_of(param_id,
+        start, length)`: their grads), from the owner to every rank, for the params where
+        `active(param_id)`, by the plan of the params' own exchange."""
+        plan = self.plan
+        if plan.world_size == 1:
+            return
+        if plan.sharding == layout.EVEN and uses_gathers(self.ex):
+            exchange_gathers(self.ex, plan_gathers(plan.buckets, plan.world_size, active),
+                             view_of)
+        else:
+            exchange_pieces(self.ex, plan_messages(plan.buckets, plan.world_size, active,
+                                                   across_buckets=plan.sharding == layout.EVEN),
+                            view_of)
 
     def _exchange_frozen(self) -> None:
         """Param mode with bucket views: the frozen params (outside the buffers) after a

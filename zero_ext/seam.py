@@ -24,7 +24,7 @@ import torch
 
 from . import groups as groups_mod
 from . import layout
-from .agree import agree
+from .agree import agree, call_and_agree
 
 if TYPE_CHECKING:
     from .zero import ZeroRedundancyOptimizer
@@ -161,6 +161,20 @@ class HookSeam:
         if stepper is not None:
             stepper.reset()
 
+    def exchange_grads(self, param_ids: set) -> None:
+        """Collective: every owner's elements of the grads of `param_ids` (the same on
+        every rank) reach every rank, in place, by the plan of the params' exchange."""
+        zero = self._zero()
+        params = zero._all_params
+
+        def view_of(pid: int, start: int, length: int) -> torch.Tensor:
+            g = params[pid].grad
+            if start == 0 and length == g.numel() and not g.is_contiguous():
+                return g  # (a strided grad of a whole param: exchanged whole)
+            return g.view(-1)[start:start + length]
+
+        zero._replicas.exchange_views(view_of, lambda pid: pid in param_ids)
+
     def state_changed(self) -> None:
         """A step is under way: an earlier consolidation is out of date."""
         self._zero()._state_changed()
@@ -178,19 +192,17 @@ class HookSeam:
             zero.process_group, zero.world_size, error, what,
             (int(frozen_stepped), mask, -mask, hp, -hp))
         check_same_mask(top, bottom, what)
-        if hp_top != -hp_bottom:
-            raise RuntimeError(
-                f"{what}: ranks stepped with different hyperparameters (lr, betas, "
-                "weight_decay, ...) in some param group; a scheduler or a manual change must "
-                "act alike on every rank")
+        check_same_hyperparameters(hp_top, hp_bottom, what, stepped=True)
         zero._replicas.sync(exchange_frozen=bool(frozen), buffers_sent=buffers_sent,
                             trainable=trainable)
         groups_mod.copy_hyperparameters(zero.optim.param_groups, zero.param_groups)
 
     # -------------------------------------------------------------- overlap_with_ddp rules
-    def user_step(self) -> None:
-        """`step()` with overlap_with_ddp: the hook has stepped already (torch returns None
-        too)."""
+    def user_step(self, closure=None):
+        """`step()` with overlap_with_ddp: the hook has stepped already, or steps inside
+        the closure's backward (a framework that steps with a closure, as Lightning does,
+        runs forward and backward in it: torch's ZeRO would skip it, and train nothing).
+        Returns the closure's loss, else None (as torch)."""
         zero = self._zero()
         if getattr(zero, "found_inf", None) is not None or getattr(
                 zero, "grad_scale", None) is not None:
@@ -198,6 +210,9 @@ class HookSeam:
                 f"a GradScaler cannot drive an optimizer built with {OVERLAP_FLAG}: the step "
                 "ran inside backward on the still-scaled grads. Use zero_ext.ddp_zero_hook."
                 "reduce_scatter_hook with opt.step() instead")
+        if closure is not None:  # (the step runs in its backward, on every rank alike)
+            return call_and_agree(closure, zero.process_group, zero.world_size,
+                                  "ZeroRedundancyOptimizer.step", with_grad=True)
         if not self._step_warned:
             self._step_warned = True
             logger.warning("zero_ext: step() does nothing with %s: the DDP comm hook steps "
@@ -219,6 +234,19 @@ def hyperparameter_digest(param_groups: list[dict]) -> int:
                          for k, v in groups_mod.hyperparameters(g).items())
                  for g in param_groups])
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+def check_same_hyperparameters(top: int, bottom: int, what: str, stepped: bool) -> None:
+    """`top`/`bottom`: max over ranks of h and of -h, h = hyperparameter_digest. `stepped`:
+    the local step has run already (without a GradScaler or a hook, the step's one
+    agreement comes after it)."""
+    if top != -bottom:
+        raise RuntimeError(
+            f"{what}: ranks {'stepped' if stepped else 'were to step'} with different "
+            "hyperparameters (lr, betas, weight_decay, ...) in some param group; a scheduler "
+            "or a manual change must act alike on every rank"
+            + (" (each rank has updated its own share with its own values: load the last "
+               "checkpoint)" if stepped else "; nothing was stepped"))
 
 
 def check_same_mask(top: int, bottom: int, what: str) -> None:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from . import layout
 from .agree import agree
 from .engine import MASTER, keep_loaded_state
-from .hybrid import Job, job_of, replica_group_of
+from .hybrid import Job
 from .fused_adamw import FusedAdamW
 from .groups import copy_hyperparameters, hyperparameters
 from .sync import backend_device, gather_objects, recv_segments, send_segments
@@ -480,13 +480,7 @@ def _load_job(opt: "ZeroRedundancyOptimizer") -> Job:
     README's `torch.load(f) if rank == 0 else None` serves every replica, and a bad dict
     stops every replica before any returns). Other subgroups stay on their own: they may be
     independent optimizers (pipeline stages) that load at their own time."""
-    if opt.process_group is None:
-        return Job(None, 0, 1)
-    try:
-        replica_group_of(opt.process_group)
-    except ValueError:  # not made by hybrid_groups()
-        return Job(opt.process_group, opt.rank, opt.world_size)
-    return job_of(opt)
+    return opt.replicated_job
 
 
 def _scatter(opt: "ZeroRedundancyOptimizer", job: Job, src: int, saved: dict | None,

@@ -10,13 +10,14 @@ Two forms of exchange:
 
 All transport is torch.distributed. Choice of collective per backend, from measurement
 (2 ranks, 62M fp32 elements each): on gloo one broadcast per rank range beats
-all_gather_into_tensor by ~4x;
-on NCCL all_gather_into_tensor is used when the ranges have equal size (flat mode).
+an all-gather by ~4x;
+on NCCL an all-gather (all_gather_single) is used when the ranges have equal size (flat mode).
 Buffers are exchanged as raw bytes-compatible integer views when the backend lacks the
 dtype (gloo and bf16), which is exact since nothing is reduced.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +25,28 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+
+# torch 2.14 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
+# reduce_scatter_single (the old names print a FutureWarning at every call); older torch has
+# only the old ones. Looked up at each call, so that a wrapper of torch.distributed's
+# function (a test's spy) sees the call.
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else \
+    "all_gather_into_tensor"
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else \
+    "reduce_scatter_tensor"
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None,
+                      async_op: bool = False):
+    """`input` from every rank of `group`, concatenated in rank order into `output`."""
+    return getattr(dist, ALL_GATHER)(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None,
+                          async_op: bool = False):
+    """The sum over the ranks of `group` of `input`, block r of it into rank r's `output`."""
+    return getattr(dist, REDUCE_SCATTER)(output, input, group=group, async_op=async_op)
+
 
 _GLOO_SAFE = {torch.float32, torch.float64, torch.float16, torch.int32, torch.int64,
               torch.uint8, torch.int8}
@@ -86,7 +109,8 @@ class Exchanger:
         from rank r to all ranks, in place. Returns when everything has arrived."""
         if self.world == 1:
             return
-        if self.backend == "gloo":
+        gathers = bucket_gathers(self.backend)
+        if self.backend == "gloo" and not gathers:
             # gloo runs async ops on a small thread pool whose order can differ between
             # ranks; several broadcasts in flight on one group were seen to deadlock at
             # world 3. The pipeline keeps one in flight per lane.
@@ -98,15 +122,20 @@ class Exchanger:
         works = []
         for full, ranges in buffers:
             sizes = {hi - lo for lo, hi in ranges}
-            if self.backend == "nccl" and len(sizes) == 1 and \
-                    full.numel() == self.world * next(iter(sizes)):
+            if gathers and len(sizes) == 1 and full.numel() == self.world * next(iter(sizes)):
                 lo, hi = ranges[self.rank]
-                works.append(dist.all_gather_into_tensor(full, full[lo:hi], group=self.group,
-                                                         async_op=True))
-                continue
-            works += [dist.broadcast(full[lo:hi], src=self.global_ranks[r], group=self.group,
-                                     async_op=True)
-                      for r, (lo, hi) in enumerate(ranges) if hi > lo]
+                works.append(all_gather_single(
+                    wire_view(full, self.backend), wire_view(full[lo:hi], self.backend),
+                    group=self.group, async_op=True))
+            else:
+                works += [dist.broadcast(wire_view(full[lo:hi], self.backend),
+                                         src=self.global_ranks[r], group=self.group,
+                                         async_op=True)
+                          for r, (lo, hi) in enumerate(ranges) if hi > lo]
+            if self.backend == "gloo":  # (forced gathers, tests: one op at a time on gloo)
+                for w in works:
+                    w.wait()
+                works = []
         for w in works:
             w.wait()
 
@@ -291,8 +320,40 @@ class Gather:
     direct: bool  # one param whose chunks are rank-ordered and equal: gathered in place
 
 
+# How bucket views travel (parameters_as_bucket_view=True): "auto" is one
+# all_gather_into_tensor per bucket on NCCL (where the ranks' ranges are equal: flat mode),
+# broadcast chunks overlapped with the local step on gloo; "gather" forces NCCL's form on
+# gloo too (ZERO_EXT_BUCKET_EXCHANGE, for tests). Every rank must use the same.
+BUCKET_EXCHANGES = ("auto", "gather")
+BUCKET_EXCHANGE = os.environ.get("ZERO_EXT_BUCKET_EXCHANGE", "auto")
+
+
+def bucket_gathers(backend: str) -> bool:
+    if BUCKET_EXCHANGE not in BUCKET_EXCHANGES:
+        raise ValueError(f"ZERO_EXT_BUCKET_EXCHANGE must be one of {BUCKET_EXCHANGES}, got "
+                         f"{BUCKET_EXCHANGE!r}")
+    return backend == "nccl" or BUCKET_EXCHANGE == "gather"
+
+
+# How the even exchange travels: "auto" is one broadcast per owner on gloo at world 2 and
+# all-gathers everywhere else; "gather" or "broadcast" force one (ZERO_EXT_EVEN_EXCHANGE:
+# tests run NCCL's all-gathers on gloo at world 2 too). Every rank must use the same.
+EVEN_EXCHANGES = ("auto", "gather", "broadcast")
+EVEN_EXCHANGE = os.environ.get("ZERO_EXT_EVEN_EXCHANGE", "auto")
+# A param of at least this many bytes whose chunks are equal and in rank order is gathered
+# in place, straight into its own memory (below it, params are packed: one collective for
+# many small ones). ZERO_EXT_DIRECT_GATHER_BYTES lowers it so that tests reach the in-place
+# form with small params.
+DIRECT_GATHER_BYTES = int(os.environ.get("ZERO_EXT_DIRECT_GATHER_BYTES", STAGING_BYTES // 2))
+
+
 def uses_gathers(ex: Exchanger) -> bool:
-    return ex.world > 1 and (ex.backend != "gloo" or ex.world > 2)
+    if EVEN_EXCHANGE not in EVEN_EXCHANGES:
+        raise ValueError(f"ZERO_EXT_EVEN_EXCHANGE must be one of {EVEN_EXCHANGES}, got "
+                         f"{EVEN_EXCHANGE!r}")
+    if ex.world == 1 or EVEN_EXCHANGE != "auto":
+        return ex.world > 1 and EVEN_EXCHANGE == "gather"
+    return ex.backend != "gloo" or ex.world > 2
 
 
 def plan_gathers(buckets, world: int, active: Callable[[int], bool]) -> list[Gather]:
@@ -306,9 +367,13 @@ def plan_gathers(buckets, world: int, active: Callable[[int], bool]) -> list[Gat
         if not active(pid) or b.numel == 0:
             continue
         chunk = max(hi - lo for lo, hi in b.rank_ranges)
-        cap = max(1, STAGING_BYTES // torch.empty((), dtype=b.dtype).element_size() // world)
+        size = torch.empty((), dtype=b.dtype).element_size()
+        cap = max(1, STAGING_BYTES // size // world)
+        # in place only where rank r's chunk is the r-th of `world` equal blocks: that is
+        # where all_gather_into_tensor puts it (the even plan rotates the first owner from
+        # param to param, so most params are not in rank order)
         ordered = all(b.rank_ranges[r] == (r * chunk, (r + 1) * chunk) for r in range(world))
-        if ordered and 2 * chunk >= cap:
+        if ordered and world * chunk * size >= DIRECT_GATHER_BYTES:
             out.append(Gather(b.device, b.dtype, [(pid, b.rank_ranges, 0)], chunk, True))
             continue
         if cur is None or (cur.device, cur.dtype) != (b.device, b.dtype) or \
@@ -358,7 +423,8 @@ def exchange_gathers(ex: Exchanger, gathers: list[Gather],
     def issue(g: Gather, lane: int) -> tuple:
         if g.direct:
             pid, ranges, _ = g.params[0]
-            full = view_of(pid, 0, world * g.size)
+            # (split modes keep params contiguous: Replicas.refresh refuses strided memory)
+            full = view_of(pid, 0, world * g.size).view(-1)
             lo, hi = ranges[me]
             send, recv = full[lo:hi], full
         else:
@@ -376,7 +442,7 @@ def exchange_gathers(ex: Exchanger, gathers: list[Gather],
                     offs.append(off)
             if srcs:
                 kernels.flatten_into(srcs, send, offs)
-        work = dist.all_gather_into_tensor(wire_view(recv, ex.backend),
+        work = all_gather_single(wire_view(recv, ex.backend),
                                            wire_view(send, ex.backend),
                                            group=ex.lanes[lane], async_op=True)
         return work, recv

@@ -18,15 +18,16 @@ import torch
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from . import grad_norm
+from . import amp, grad_norm
 from . import groups as groups_mod
-from . import kernels, launcher, layout, state
-from .agree import agree, agree_on_inputs, rendezvous
+from . import hybrid, kernels, launcher, layout, state
+from .agree import agree, agree_on_inputs, call_and_agree, rendezvous
 from .fused_adamw import FusedAdamW, fused_path_supported, keep_step_eager
 from .local_step import FusedShardStep
 from .precision import found_inf_flag, generic_precision, kernel_divisor, scale_factor
 from .replicas import Replicas
-from .seam import HookSeam, check_overlap_options, check_same_mask
+from .seam import (HookSeam, check_overlap_options, check_same_hyperparameters,
+                   check_same_mask, hyperparameter_digest)
 from .sync import Exchanger
 
 logger = logging.getLogger("zero_ext")
@@ -66,9 +67,11 @@ class _ZeroJoinHook(JoinHook):
         zero.found_inf = torch.zeros(1)
         # its stale grads are still scaled as the last step's were (unscale_ never runs)
         zero.grad_scale = zero._last_grad_scale
+        zero._join_stepping = True  # (no GradScaler of its own to tell the verdict)
         try:
             zero.step()
         finally:
+            zero._join_stepping = False
             del zero.found_inf
             del zero.grad_scale
 
@@ -100,6 +103,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._initialized = False
         # a single process without a group, an error when torchrun says there are more
         self.process_group, self.world_size, self.rank = launcher.process_group_of(process_group)
+        # the ranks that load together: the whole job for a hybrid_groups() shard group
+        self.replicated_job = hybrid.replicated_job(self.process_group, self.rank,
+                                                    self.world_size)
 
         # Validate locally, then agree across ranks before anything else is collective.
         error, lines, groups = None, [], []
@@ -155,6 +161,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.master_weights = master_weights
         self._clip: grad_norm.PendingClip | None = None  # from clip_grad_norm_, for step
         self._scaler_seen = False  # a GradScaler drove a step (the join hook mimics it)
+        self._join_stepping = False  # the join hook runs the step (no GradScaler there)
         self._last_grad_scale: torch.Tensor | None = None
         self._overlap_with_ddp = bool(overlap_with_ddp)
         super().__init__(groups, defaults)  # fills defaults into the groups
@@ -355,12 +362,23 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         raises on every rank before the exchange, so no rank is left waiting.
         """
         if self._overlap_with_ddp:  # the DDP comm hook has stepped (torch returns None)
-            return self.hook_seam.user_step()
+            return self.hook_seam.user_step(closure)
         Join.notify_join_context(self)
         # Set around step() by torch.amp.GradScaler (_step_supports_amp_scaling): grads not
         # unscaled yet are divided by grad_scale; found_inf nonzero means skip the step.
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        # A closure (forward and backward inside step(): Lightning) runs first, and the
+        # step agrees on its failure before anything is stepped, unless the local optimizer
+        # calls it itself (LBFGS-style: param mode, optimizer_class's own step).
+        closure_error, ran_closure, loss = None, False, None
+        if closure is not None and not self._local_step_runs_closure(grad_scale, kwargs):
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+                closure_error = exc
+            closure, ran_closure = None, True
         self._scaler_seen = self._scaler_seen or found_inf is not None
         self._last_grad_scale = grad_scale  # the join hook's stale grads carry it too
         mask = self._trainable_mask()
@@ -374,14 +392,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # grads left by reduce_scatter_hook and changed since: an error on every rank (and
         # a closure whose backward may run the hook is checked after it ran)
         hooked, hook_error, closure = self.hook_seam.check_step(closure, found_inf is not None)
-        inf_error = inf_error or hook_error
-        if self._replicas.overlapped or found_inf is not None or hooked:
+        inf_error = closure_error or inf_error or hook_error
+        if self._replicas.overlapped or found_inf is not None or hooked or ran_closure:
             # Buckets sent from inside the local step (overlapped) must be laid out alike
-            # before anything is sent; GradScaler's verdict and a hook's verdict on the
+            # before anything is stepped; GradScaler's verdict and a hook's verdict on the
             # grads must be known before anything is stepped: agree first.
-            top, bottom, inf = agree(self.process_group, self.world_size, inf_error,
-                                     _STEP, (mask_hash, -mask_hash, inf))
+            verdicts = None if found_inf is None or self._join_stepping else \
+                amp.scaler_verdicts(self)
+            unreachable = int(found_inf is not None and not self._join_stepping
+                              and verdicts is None)
+            mine = inf
+            hp = hyperparameter_digest(self.param_groups)  # (checked again after the step)
+            top, bottom, inf, not_inf, unreachable, hp_top, hp_bottom = agree(
+                self.process_group, self.world_size, inf_error, _STEP,
+                (mask_hash, -mask_hash, inf, -inf, unreachable, hp, -hp))
             check_same_mask(top, bottom, _STEP)
+            check_same_hyperparameters(hp_top, hp_bottom, _STEP, stepped=False)
+            if found_inf is not None:  # every scaler's update() must see the same verdict
+                amp.share_verdict(verdicts, mine, inf, -not_inf, unreachable, _STEP)
         if mask != self._trainable:
             self._trainable = mask
             if self._replicas.frozen_outside_buckets:
@@ -393,9 +421,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if closure is not None:
                 with torch.enable_grad():
                     return closure()
-            return None
+            return loss
         self._state_changed()
-        error, loss = None, None
+        error = None
         t0 = time.perf_counter()
         # Decided from what every rank shares (all params, the groups, kwargs), so every
         # rank issues the same collectives whatever happens locally below.
@@ -419,7 +447,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                         self._fused_step().run(after_chunk=sends.send if sends else None,
                                                grad_scale=kernel_divisor(grad_scale, clip))
                 else:
-                    loss = self._generic_step(closure, grad_scale, **kwargs)
+                    out = self._generic_step(closure, grad_scale, **kwargs)
+                    loss = out if closure is not None else loss
             except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
                 error = exc
         if sends is not None:
@@ -431,6 +460,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         local = t1 - t0 - (sends.comm if sends else 0.0)
         self.last_step_timings = {"local": local, "comm": t2 - t0 - local, "total": t2 - t0}
         return loss
+
+    def _local_step_runs_closure(self, grad_scale, kwargs) -> bool:
+        """Whether this step hands its closure to optimizer_class's own step (which may
+        call it again and again: LBFGS), as _generic_step does; the same on every rank."""
+        if (self.sharding != layout.PARAM or grad_scale is not None
+                or (self.master_weights and not issubclass(self.optimizer_class, FusedAdamW))):
+            return False
+        groups_mod.copy_hyperparameters(self.param_groups, self.optim.param_groups)
+        return bool(kwargs) or not self._fused_step_supported()
 
     def _generic_step(self, closure, grad_scale, **kwargs):
         """optimizer_class's own step on the local share. The grads it reads are multiplied
@@ -445,9 +483,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 and grad_scale is None):
             # As torch does: the local optimizer calls the closure itself (LBFGS calls it
             # again and again, SAM twice), and a clip inside it applies to the grads it made.
+            # Every call agrees on its failure before the optimizer steps anything (the
+            # ranks' optimizers call it alike: each call runs a DDP backward anyway).
             def local_closure():
-                with torch.enable_grad():
-                    out = closure()
+                out = call_and_agree(closure, self.process_group, self.world_size, _STEP,
+                                     with_grad=True)
                 self._apply_clip_in_place()
                 return out
             return self.optim.step(local_closure, **kwargs)

@@ -122,6 +122,7 @@ from common import gloo_link_bytes, ring_wire_bytes, tensor_bytes  # noqa: E402
 import zero_ext  # noqa: E402
 from zero_ext import layout, state, sync  # noqa: E402
 from zero_ext import grad_reduce  # noqa: E402
+from zero_ext import sync as sync_mod  # noqa: E402
 from zero_ext.checkpoint import format as ckpt_format  # noqa: E402
 from zero_ext.kernels import partition  # noqa: E402
 from zero_ext.kernels._loader import native_available  # noqa: E402
@@ -158,7 +159,8 @@ def nanogpt_groups(params) -> list[dict]:
 # ------------------------------------------------------------------ counting collectives
 
 _COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor",
-                "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter", "reduce",
+                "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single",
+                "all_to_all_single", "gather", "scatter", "reduce",
                 "send", "recv", "isend", "irecv", "barrier", "all_gather_object",
                 "gather_object", "broadcast_object_list")
 
@@ -187,9 +189,11 @@ class CollectiveCounter:
             t = arg(1, "input") if name == "all_to_all_single" else arg(0, "tensor")
             n = tensor_bytes(t)
             return n, n
-        if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-            inp = arg(1, "input_tensor" if name == "all_gather_into_tensor" else "input")
-            out = arg(0, "output_tensor" if name == "all_gather_into_tensor" else "output")
+        if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
+                    "reduce_scatter_single"):
+            gather = name.startswith("all_gather")
+            inp = arg(1, "input_tensor" if gather else "input")
+            out = arg(0, "output_tensor" if gather else "output")
             return tensor_bytes(out), tensor_bytes(inp)
         if name == "all_gather":
             return tensor_bytes(arg(0, "tensor_list")), tensor_bytes(arg(1, "tensor"))
@@ -477,7 +481,9 @@ def reduce_scatter_bytes(opt, params, limit: int = HOOK_PLAN_LIMIT) -> dict:
 # order (benchmarks/common.py: gloo_link_bytes, critical_path, which bench_iteration.py
 # applies to traced runs). Here every rank's figures come from the plans: no collective runs.
 
-EXCHANGE_COLLECTIVES = ("broadcast", "all_gather_into_tensor")
+# (the all-gather under the name zero_ext calls it by: all_gather_single from torch 2.14)
+GATHER = sync_mod.ALL_GATHER
+EXCHANGE_COLLECTIVES = ("broadcast", GATHER)
 
 
 class Link(tuple):
@@ -515,7 +521,7 @@ def _gather_link(part: int, world: int) -> Link:
     """A ring all_gather_into_tensor of `part` bytes from each rank: (W-1) parts each way on
     every link (gloo's ring and NCCL's alike)."""
     n = (world - 1) * part
-    return Link(("all_gather_into_tensor", n, world * n, (n, n), n))
+    return Link((GATHER, n, world * n, (n, n), n))
 
 
 def exchange_links(opt, backend: str) -> list[Link]:
@@ -599,7 +605,7 @@ def reduce_scatter_row(model: str, opt, params, hook: dict, agree: list[Link],
 
 
 def _form(links) -> str:
-    names = {"broadcast": "bcast", "all_gather_into_tensor": "all_gather"}
+    names = {"broadcast": "bcast", GATHER: "all_gather"}
     counts: dict = {}
     for x in links:
         counts[x.name] = counts.get(x.name, 0) + 1
@@ -764,7 +770,7 @@ def run_case(model: str, world: int, sharding: str, args,
         row["colls"] = len(fake_form) + len(agree)
         row["rank0_sent"] = sends[0] + agree_bytes
     row["bcasts"] = sum(1 for x in fake_form if x.name == "broadcast")
-    row["gathers"] = sum(1 for x in fake_form if x.name == "all_gather_into_tensor")
+    row["gathers"] = sum(1 for x in fake_form if x.name == GATHER)
     row["all_reduces"] = sum(1 for a in agree if a[0] == "all_reduce")
     row["sent_max"] = max(sends) + agree_bytes
     row["sent_mean"] = sum(sends) / world + agree_bytes

@@ -123,7 +123,7 @@ SPEEDUP_HEADERS = ["variant", "ms (median)", "GB/s", "speedup of ours"]
 # gloo and NCCL use for large payloads), so that modes are compared by what they move, not
 # by what one run happened to measure. Object collectives count their pickled size.
 WIRE_COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-                    "all_to_all_single", "all_gather", "reduce", "send", "isend", "recv", "irecv",
+                    "all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_gather", "reduce", "send", "isend", "recv", "irecv",
                     "all_gather_object", "broadcast_object_list", "gather_object", "barrier")
 
 
@@ -157,9 +157,9 @@ def ring_wire_bytes(name: str, bound: Dict[str, object]) -> int:
         return round(2 * frac * tensor_bytes(bound["tensor"]))
     if name in ("broadcast", "reduce"):
         return round(frac * tensor_bytes(bound["tensor"]))
-    if name == "all_gather_into_tensor":
+    if name in ("all_gather_into_tensor", "all_gather_single"):
         return round(frac * tensor_bytes(bound["output_tensor"]))
-    if name == "reduce_scatter_tensor":
+    if name in ("reduce_scatter_tensor", "reduce_scatter_single"):
         return round(frac * tensor_bytes(bound["input"]))
     if name == "all_gather":
         return (world - 1) * tensor_bytes(bound["tensor"])
@@ -202,6 +202,7 @@ def wrap_calls(module, names: Sequence[str], around: Callable) -> Dict[str, Call
             return around(__name, bound.arguments, lambda: __fn(*args, **kwargs))
 
         wrapper.__name__ = getattr(fn, "__name__", name)
+        wrapper.__wrapped__ = fn  # (a wrapper of this wrapper binds the original's signature)
         setattr(module, name, wrapper)
     return saved
 

@@ -40,6 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from zero_ext.sync import REDUCE_SCATTER  # noqa: E402  (torch 2.14: reduce_scatter_single)
+
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CLIP = 0.5
 
@@ -68,7 +70,7 @@ def _ddp(model, device):
 def _count_hook_collectives():
     """Wrap the collectives the hook may issue; returns (calls, restore)."""
     calls = []
-    saved = {n: getattr(dist, n) for n in ("reduce_scatter_tensor", "all_to_all_single")}
+    saved = {n: getattr(dist, n) for n in (REDUCE_SCATTER, "all_to_all_single")}
 
     def spy(name):
         def call(out, inp, *args, **kw):
@@ -117,7 +119,7 @@ def parity(sharding: str, dtype, device, world: int, rank: int) -> dict:
                                        msg=lambda m, it=it: f"{sharding} {dtype} iter {it}: {m}")
             worst = max(worst, (b.detach().float() - a.detach()).abs().max().item())
     names = sorted({n for n, _, _ in calls})
-    even_blocks = all(i == world * o for n, i, o in calls if n == "reduce_scatter_tensor")
+    even_blocks = all(i == world * o for n, i, o in calls if n == REDUCE_SCATTER)
     return {"max_abs_diff": worst, "hook_collectives": names, "calls": len(calls),
             "equal_blocks": even_blocks}
 
@@ -200,7 +202,7 @@ def main() -> int:
                 rec = parity(sharding, dtype, device, world, rank)
                 forced = os.environ.get("ZERO_EXT_HOOK_TRANSPORT") == "reduce_scatter"
                 if world > 1 and (forced or sharding == "even") and \
-                        rec["hook_collectives"] != ["reduce_scatter_tensor"]:
+                        rec["hook_collectives"] != [REDUCE_SCATTER]:
                     raise AssertionError(f"the hook ran {rec['hook_collectives']}")
                 if not rec["equal_blocks"]:
                     raise AssertionError("a reduce_scatter_tensor of unequal blocks")

@@ -154,6 +154,50 @@ def test_bench_iteration_even_hook_world4_buckets(tmp_path):
     assert even["mean_grads"] <= 0.5 + 1e-3, even
 
 
+COMPUTE_MS = 5.0  # the quick MLP's 8 Linears: >= 40 ms forward, >= 80 ms backward
+
+
+def test_bench_iteration_compute_and_per_rank(tmp_path):
+    """--compute-ms C: every Linear's forward sleeps C ms and its backward 2C ms, in every
+    mode (time.sleep sleeps at least that long: lower bounds, not timings); each rank's
+    phases are in the JSON and the per-rank table, the forward's wait for params 0 where the
+    step finishes its exchange. An overlap_param_gather mode either runs (same steps as
+    zero_ext_rs, so the same params) or is skipped with a note where zero_ext lacks it; with
+    it requested each mode's turn is 2 back-to-back iterations."""
+    js, md = tmp_path / "summary.json", tmp_path / "table.md"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_iteration.py"), "--quick",
+         "--world", "2", "--model", "mlp", "--modes", "ddp,zero_ext_rs,zero_ext_rs_overlap",
+         "--sharding", "flat", "--iters", "1", "--compute-ms", str(COMPUTE_MS),
+         "--json", str(js), "--out", str(md)],
+        cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (summary,) = json.loads(js.read_text())
+    markdown = md.read_text()
+    assert summary["compute_ms"] == COMPUTE_MS and summary["chain"] == 2, summary.keys()
+    assert f"compute stand-in {COMPUTE_MS:g} ms forward" in markdown
+    rows = summary["rows"]
+    overlap = "zero_ext_rs_overlap (flat)"
+    if overlap not in rows:
+        assert ("# skipped zero_ext_rs_overlap (flat): this zero_ext has no "
+                "overlap_param_gather") in proc.stdout, proc.stdout[-3000:]
+    layers = summary["spec"]["depth"]
+    for label, r in rows.items():
+        assert r["median"]["forward"] >= layers * COMPUTE_MS / 1e3, (label, r["median"])
+        assert r["median"]["backward"] >= 2 * layers * COMPUTE_MS / 1e3, (label, r["median"])
+        assert [d["rank"] for d in r["per_rank"]] == [0, 1], (label, r["per_rank"])
+        for d in r["per_rank"]:
+            assert d["forward"] >= layers * COMPUTE_MS / 1e3, (label, d)
+            assert d["param_wait"] == 0.0 or label == overlap, (label, d)
+            assert 0.0 <= d["param_wait"] <= d["forward"], (label, d)
+    if overlap in rows:  # one kernel on the same averaged grads, the params gathered later
+        assert rows[overlap]["diff_to_zero_ext"] <= 1e-6, rows[overlap]
+    lines = markdown.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| rank "))
+    body = [line for line in lines[head + 2:head + 2 + 2 * len(rows)] if line.startswith("| ")]
+    assert len(body) == 2 * len(rows), lines[head:head + 2 + 2 * len(rows)]
+
+
 EVEN_SCALE_GRADS_CRITICAL_MAX = 0.55  # x DDP's all-reduce (issue 24: "Done when")
 EVEN_SCALE_ITER_CRITICAL_MAX = 1.20
 
@@ -202,6 +246,8 @@ def test_nccl_hook_check_runs_on_gloo(tmp_path):
     """The device-ready NCCL script (benchmarks/nccl_hook_check.py), its parity part on gloo at
     world 2 with the hook's transport forced to NCCL's reduce_scatter_tensor: every mode and
     dtype matches DDP + AdamW and the hook ran reduce_scatter_tensor only."""
+    from zero_ext.sync import REDUCE_SCATTER
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("ZERO_EXT_HOOK_TRANSPORT", None)
     proc = subprocess.run(
@@ -215,5 +261,5 @@ def test_nccl_hook_check_runs_on_gloo(tmp_path):
     assert result["world"] == 2 and not result["failures"], result
     assert len(result["parity"]) == 9
     for key, rec in result["parity"].items():
-        assert rec["hook_collectives"] == ["reduce_scatter_tensor"], (key, rec)
+        assert rec["hook_collectives"] == [REDUCE_SCATTER], (key, rec)
         assert rec["max_abs_diff"] <= (1e-5 if "float32" in key else 2e-2), (key, rec)

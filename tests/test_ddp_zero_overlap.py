@@ -166,7 +166,8 @@ def _error(a, b):
                for p, q in zip(a.parameters(), b.parameters()))
 
 
-def _lockstep(ctx, ddp_overlap, zero, ddp_local, local, warmup, before=None, after=None):
+def _lockstep(ctx, ddp_overlap, zero, ddp_local, local, warmup, before=None, after=None,
+              set_to_none=True):
     """The warm-up on the overlap model alone (nothing is updated), then ITERS iterations of
     both models on the same inputs; the error after each (the file's atol/rtol measure).
     `before(i)` / `after(i)` run around iteration i on both sides alike."""
@@ -179,10 +180,10 @@ def _lockstep(ctx, ddp_overlap, zero, ddp_local, local, warmup, before=None, aft
         if before is not None:
             before(i)
         # the module's zero_grad: params outside the optimizer too (DDP reduces them all)
-        ddp_overlap.zero_grad()
+        ddp_overlap.zero_grad(set_to_none)
         ddp_overlap(x).square().sum().backward()
         zero.step()
-        ddp_local.zero_grad()
+        ddp_local.zero_grad(set_to_none)
         ddp_local(x).square().sum().backward()
         local.step()
         if after is not None:
@@ -207,7 +208,11 @@ class _Branches(torch.nn.Module):
         return y + self.rank0(x) if self.use_rank0 else y
 
 
-def _unused_parity(ctx, opt_name, interleaved, sharding, find_unused):
+def _unused_parity(ctx, opt_name, interleaved, sharding, find_unused, zeroed=False):
+    """`zeroed`: after the warm-up (DDP recorded the branch as used by no rank), the
+    never-used branch is given zero-filled grads, and the loop zeroes grads in place
+    (zero_grad(set_to_none=False)): torch's optimizer steps a param that holds a grad
+    (weight decay moves it), so zero_ext must too."""
     from zero_ext import ZeroRedundancyOptimizer
 
     cls, kw = getattr(torch.optim, opt_name), KW[opt_name]
@@ -221,7 +226,14 @@ def _unused_parity(ctx, opt_name, interleaved, sharding, find_unused):
                                                                    zero))
     local = cls(list(ddp_local.parameters()), **kw)
     never = [p.detach().clone() for p in ddp_overlap.module.never.parameters()]
-    errors = _lockstep(ctx, ddp_overlap, zero, ddp_local, local, warmup=3)
+    def materialise(i):  # (as scripts that keep every grad allocated do)
+        if i == 0:
+            for p in list(ddp_overlap.module.never.parameters()) + list(
+                    ddp_local.module.never.parameters()):
+                p.grad = torch.zeros_like(p)
+
+    errors = _lockstep(ctx, ddp_overlap, zero, ddp_local, local, warmup=3,
+                       before=materialise if zeroed else None, set_to_none=not zeroed)
     sd = zero.state_dict()  # collective: the full state on rank 0
 
     def steps(state):  # which params have state, and their step counters
@@ -240,6 +252,9 @@ for _i, (_opt, _il, _fu) in enumerate(itertools.product(("AdamW", "SGD"), (False
     _name = f"unused_{_opt}_{'interleaved' if _il else 'hook'}_find{int(_fu)}"
     UNUSED.append(_named(_name, _unused_parity, opt_name=_opt, interleaved=_il,
                          sharding=("param", "flat")[_i % 2], find_unused=_fu))
+ZEROED = [_named(f"zeroed_never_{_opt}_{_mode}", _unused_parity, opt_name=_opt,
+                 interleaved=False, sharding=_mode, find_unused=False, zeroed=True)
+          for _opt, _mode in (("AdamW", "even"), ("SGD", "param"))]
 
 
 def _added_group_parity(ctx, opt_name, interleaved, sharding, add_at):
@@ -518,6 +533,18 @@ def test_unused_params_are_not_stepped(world, name):
     _check_parity(vals)
     for r, v in enumerate(vals):
         assert not v["never_moved"], f"rank {r}: the unused branch was stepped"
+    assert vals[0]["state"] == vals[0]["torch_state"]
+
+
+@pytest.mark.parametrize("name", ZEROED)
+def test_unused_params_holding_zeroed_grads_are_stepped(world, name):
+    """static_graph, a branch no rank uses whose grads are zero tensors (zeroed in place,
+    not set to None): torch's optimizer steps it (weight decay, SGD's momentum), and
+    zero_ext the same, on every rank."""
+    vals = world.values(name)
+    _check_parity(vals)
+    for r, v in enumerate(vals):  # (weight decay moves it: both classes have some)
+        assert v["never_moved"], f"rank {r}: the branch holding grads was not stepped"
     assert vals[0]["state"] == vals[0]["torch_state"]
 
 

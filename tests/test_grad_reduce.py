@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from _dist import gloo_available, run_world
+from zero_ext.sync import REDUCE_SCATTER
 
 pytestmark = pytest.mark.skipif(not gloo_available(), reason="needs torch.distributed with gloo")
 
@@ -221,8 +222,7 @@ def _transport_calls(rank, world, transport, dtype):
     output numel) per call."""
     import torch.distributed as dist
 
-    calls, real = [], {n: getattr(dist, n) for n in ("all_to_all_single",
-                                                     "reduce_scatter_tensor")}
+    calls, real = [], {n: getattr(dist, n) for n in ("all_to_all_single", REDUCE_SCATTER)}
 
     def spy(name):
         def call(out, inp, *args, **kw):
@@ -256,7 +256,7 @@ def test_reduce_scatter_transport_is_what_runs(world, dtype):
     parity with DDP + AdamW (bf16: its sums in bf16 on the wire, as DDP's own all-reduce)."""
     for calls in run_world(_transport_calls, world, "reduce_scatter", dtype):
         names = {n for n, _, _ in calls}
-        assert names == {"reduce_scatter_tensor"}, calls
+        assert names == {REDUCE_SCATTER}, calls
         assert all(i == world * o for _, i, o in calls), calls
     for calls in run_world(_transport_calls, world, "auto", dtype):
         assert {n for n, _, _ in calls} == {"all_to_all_single"}, calls

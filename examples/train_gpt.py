@@ -371,6 +371,13 @@ def main(argv=None) -> int:
               f"{n_params:,} {args.dtype} params in {len(list(model.parameters()))} tensors, "
               f"{args.steps} steps of {args.batch_size}x{args.seq_len} tokens per rank",
               flush=True)
+        if impl.startswith("zero_ext"):
+            # (a first run builds the ops and says so; a cached build loads silently)
+            from zero_ext import native_status
+
+            status = native_status()
+            if status["state"] != "not built":
+                print(f"zero_ext native ops: {status['summary']}", flush=True)
 
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)  # each rank its own data
     start = 0

@@ -51,7 +51,7 @@ their grads become ready, cut by torch's own ``dist._compute_bucket_assignment_b
 at DDP's 1 MiB first / 25 MiB caps); each is then cut by the hook's own code
 (``GradReducer.bucket_plan``, from the optimizer's plan) into the split sizes of its
 ``all_to_all_single`` per segment (the hook cuts a bucket into segments of at most
-``grad_reduce.SEGMENT_BYTES`` per rank's input and receive buffer): a rank sends each
+``reduce_scatter.plan.SEGMENT_BYTES`` per rank's input and receive buffer): a rank sends each
 bucket's elements owned by the others. Where that cutting would walk more than
 --hook-plan-limit (all_to_all, rank) pairs (marked ``+``; O(segments x world) Python work,
 minutes for Llama-2 70B at world 1024), the splits come per bucket from the hook's ownership
@@ -121,7 +121,8 @@ from common import gloo_link_bytes, ring_wire_bytes, tensor_bytes  # noqa: E402
 
 import zero_ext  # noqa: E402
 from zero_ext import layout, state, sync  # noqa: E402
-from zero_ext import grad_reduce  # noqa: E402
+from zero_ext.reduce_scatter import hook as rs_hook  # noqa: E402
+from zero_ext.reduce_scatter import plan as rs_plan  # noqa: E402
 from zero_ext import sync as sync_mod  # noqa: E402
 from zero_ext.checkpoint import format as ckpt_format  # noqa: E402
 from zero_ext.kernels import partition  # noqa: E402
@@ -417,10 +418,10 @@ def ddp_buckets(params) -> list[PlannedBucket]:
 
 
 def _segments_of(total: int, splits: list, elem_size: int) -> int:
-    """How many all_to_alls the hook cuts a bucket into (grad_reduce.SEGMENT_BYTES: each
+    """How many all_to_alls the hook cuts a bucket into (reduce_scatter.plan.SEGMENT_BYTES: each
     rank's input and receive buffer at most that): the estimate that decides whether its
     bucket_plan is called, and the count where it is not."""
-    seg = getattr(grad_reduce, "SEGMENT_BYTES", None)
+    seg = getattr(rs_plan, "SEGMENT_BYTES", None)
     if seg is None:
         return 1
     cap = max(1, seg // elem_size)
@@ -432,7 +433,7 @@ def reduce_scatter_bytes(opt, params, limit: int = HOOK_PLAN_LIMIT) -> dict:
     elements the other ranks own), the calls, and their link records (:func:`a2a_links`),
     per segment from the hook's own ``GradReducer.bucket_plan`` when the work is under
     `limit` (``planned``), else per bucket from the hook's ownership map."""
-    reducer = grad_reduce.reducer_of(opt)
+    reducer = rs_hook.reducer_of(opt)
     owned = opt.hook_seam.ownership().runs
     index = opt.hook_seam.param_index()
     world, size = opt.world_size, _elem_size(params[0].dtype)

@@ -64,7 +64,7 @@ def _pair(cfg):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from zero_ext import ZeroRedundancyOptimizer
-    from zero_ext.grad_reduce import reduce_scatter_hook
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
 
     # several buckets for this small model, except where dynamo sees DDP (a compiled
     # forward): its DDPOptimizer refuses buckets under DDP's first one (1 MB)

@@ -65,13 +65,14 @@ def _pair(rank, cfg, group=None):
     """(reference DDP + AdamW, candidate DDP + hook + zero_ext) on one model's copies."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zero_ext import ZeroRedundancyOptimizer, grad_reduce
+    from zero_ext import ZeroRedundancyOptimizer
     from zero_ext.ddp_zero_hook import reduce_scatter_hook
+    from zero_ext.reduce_scatter import plan, transport
 
     if cfg.get("segment_bytes"):  # (a fresh process per world: no other test sees it)
-        grad_reduce.SEGMENT_BYTES = cfg["segment_bytes"]
+        plan.SEGMENT_BYTES = cfg["segment_bytes"]
     if cfg.get("transport"):  # NCCL's form (reduce_scatter_tensor), here on gloo
-        grad_reduce.TRANSPORT = cfg["transport"]
+        transport.TRANSPORT = cfg["transport"]
     dtype = cfg.get("dtype", torch.float32)
     kw = dict(bucket_cap_mb=0.002,  # several buckets even for this small model
               find_unused_parameters=cfg.get("find_unused", False),
@@ -263,11 +264,11 @@ def test_reduce_scatter_transport_is_what_runs(world, dtype):
 
 
 def test_unknown_transport_is_a_value_error(monkeypatch):
-    from zero_ext import grad_reduce
+    from zero_ext.reduce_scatter import transport
 
-    monkeypatch.setattr(grad_reduce, "TRANSPORT", "ring")
+    monkeypatch.setattr(transport, "TRANSPORT", "ring")
     with pytest.raises(ValueError, match="ZERO_EXT_HOOK_TRANSPORT"):
-        grad_reduce.reduce_scatters(torch.zeros(1), None, [1])
+        transport.reduce_scatters(torch.zeros(1), None, [1])
 
 
 def test_auto_takes_reduce_scatter_on_nccl_only_for_near_equal_shares(monkeypatch):
@@ -275,7 +276,7 @@ def test_auto_takes_reduce_scatter_on_nccl_only_for_near_equal_shares(monkeypatc
     would cost W-1 times its size per rank, so "auto" keeps all_to_all there."""
     from types import SimpleNamespace
 
-    from zero_ext import grad_reduce
+    from zero_ext.reduce_scatter import transport as grad_reduce
 
     cuda = SimpleNamespace(is_cuda=True)
     monkeypatch.setattr(grad_reduce, "TRANSPORT", "auto")
@@ -504,14 +505,15 @@ def _shares(rank, world, sharding):
     all_to_all (from the bucket plans the hook sends by) and the padding that would make
     every param of it a multiple of the world; per exchange message of the step, the
     elements each owner contributes."""
-    from zero_ext import grad_reduce, sync
+    from zero_ext import sync
+    from zero_ext.reduce_scatter import hook
 
     _, (zero, opt) = _pair(rank, dict(sharding=sharding))
     for it in range(3):
         _iteration(rank, it, zero, opt, {}, False)
     params = opt._all_params
     buckets = []
-    for bp in grad_reduce.reducer_of(opt).buckets.values():
+    for bp in hook.reducer_of(opt).buckets.values():
         pad = sum(-(-params[i].numel() // world) * world - params[i].numel()
                   for i in bp.param_ids)
         buckets.append((list(bp.splits), pad))
@@ -591,8 +593,9 @@ def _newest(rank, world):
     every rank, although an older one over the same params is still alive."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zero_ext import ZeroRedundancyOptimizer, grad_reduce
+    from zero_ext import ZeroRedundancyOptimizer
     from zero_ext.ddp_zero_hook import reduce_scatter_hook
+    from zero_ext.reduce_scatter.hook import _REDUCERS
 
     (ref, o_ref), (zero, old) = _pair(rank, dict(sharding="param"))
     new = ZeroRedundancyOptimizer(_groups(zero.module), torch.optim.AdamW, sharding="flat",
@@ -604,7 +607,7 @@ def _newest(rank, world):
         _iteration(rank, it, fresh, new, {"clip": True}, False)
     for a, b in zip(ref.module.parameters(), zero.module.parameters()):
         torch.testing.assert_close(b.detach(), a.detach(), **TOL)
-    return new in grad_reduce._REDUCERS, old in grad_reduce._REDUCERS
+    return new in _REDUCERS, old in _REDUCERS
 
 
 def test_hook_without_state_takes_the_newest_optimizer():

@@ -83,11 +83,12 @@ def _parity(rank, world, cfg):
     spy's counts and the final params."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zero_ext import ZeroRedundancyOptimizer, grad_reduce, hybrid_groups, sync
+    from zero_ext import ZeroRedundancyOptimizer, hybrid_groups, sync
     from zero_ext.ddp_zero_hook import reduce_scatter_hook
+    from zero_ext.reduce_scatter import transport
 
     # (a fresh process per world: no other test sees these settings)
-    grad_reduce.TRANSPORT = cfg.get("transport", "auto")
+    transport.TRANSPORT = cfg.get("transport", "auto")
     sync.EVEN_EXCHANGE = cfg.get("even_exchange", "auto")
     sync.DIRECT_GATHER_BYTES = cfg.get("direct_gather_bytes", sync.DIRECT_GATHER_BYTES)
     sync.BUCKET_EXCHANGE = cfg.get("bucket_exchange", "auto")

@@ -331,21 +331,22 @@ def _layout(spec, ctx):
 @contextlib.contextmanager
 def _switches(spec):
     """The NCCL-only paths forced on gloo for this spec (module settings, restored after)."""
-    from zero_ext import grad_reduce, sync
+    from zero_ext import sync
+    from zero_ext.reduce_scatter import plan, transport
 
-    saved = (grad_reduce.TRANSPORT, grad_reduce.SEGMENT_BYTES, sync.DIRECT_GATHER_BYTES,
+    saved = (transport.TRANSPORT, plan.SEGMENT_BYTES, sync.DIRECT_GATHER_BYTES,
              sync.EVEN_EXCHANGE)
     try:
         if spec["transport"]:
-            grad_reduce.TRANSPORT = spec["transport"]
+            transport.TRANSPORT = spec["transport"]
         if spec["segment_bytes"]:
-            grad_reduce.SEGMENT_BYTES = spec["segment_bytes"]
+            plan.SEGMENT_BYTES = spec["segment_bytes"]
         if spec["direct_gather"]:
             sync.DIRECT_GATHER_BYTES = 64
             sync.EVEN_EXCHANGE = "gather"
         yield
     finally:
-        (grad_reduce.TRANSPORT, grad_reduce.SEGMENT_BYTES, sync.DIRECT_GATHER_BYTES,
+        (transport.TRANSPORT, plan.SEGMENT_BYTES, sync.DIRECT_GATHER_BYTES,
          sync.EVEN_EXCHANGE) = saved
 
 

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from . import overlap
-from .grad_reduce import gather_grads  # DDP's averaged grads on every rank, when asked
-from .grad_reduce import reduce_scatter_hook  # grads to their owners only (with clipping)
+from .reduce_scatter import gather_grads  # DDP's averaged grads on every rank, when asked
+from .reduce_scatter import reduce_scatter_hook  # grads to their owners only (with clipping)
 
 __all__ = [
     "gather_grads",

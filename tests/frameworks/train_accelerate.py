@@ -30,8 +30,9 @@ def main() -> None:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from zero_ext import ZeroRedundancyOptimizer, grad_reduce
+    from zero_ext import ZeroRedundancyOptimizer
     from zero_ext.integrations import unwrap
+    from zero_ext.reduce_scatter.hook import _REDUCERS
 
     acc = Accelerator(cpu=True)
     set_seed(0)
@@ -74,7 +75,7 @@ def main() -> None:
     sd = zero.state_dict() if acc.process_index == 0 else None
     write_result(args.out, acc.process_index, acc.unwrap_model(model).parameters(), sd,
                  {"losses": losses, "sharding": zero.sharding,
-                  "hook_ran": zero in grad_reduce._REDUCERS})
+                  "hook_ran": zero in _REDUCERS})
     acc.wait_for_everyone()
 
 

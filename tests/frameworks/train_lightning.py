@@ -66,7 +66,8 @@ def main() -> None:
 
     import pytorch_lightning as pl
 
-    from zero_ext import ZeroRedundancyOptimizer, grad_reduce
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.reduce_scatter.hook import _REDUCERS
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -117,7 +118,7 @@ def main() -> None:
     write_result(args.out, rank, module.net.parameters(), sd,
                  {"losses": module.losses,
                   "sharding": trainer.optimizers[0].sharding,
-                  "hook_ran": trainer.optimizers[0] in grad_reduce._REDUCERS})
+                  "hook_ran": trainer.optimizers[0] in _REDUCERS})
 
 
 if __name__ == "__main__":

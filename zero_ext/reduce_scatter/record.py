@@ -1,0 +1,185 @@
+"""What reduce_scatter_hook reduced since the last step, read back once DDP has written
+the grads: the record the step's checks compare the grads with.
+
+Each DDP model's backward (itself possibly nested backwards: reentrant activation
+checkpointing runs one per block) reduces some of the optimizer's grads; at its last bucket
+a record of them is queued to run after DDP's write-back. Records of several backwards
+(several DDP models under one optimizer) are kept until the step, so that a grad changed
+after its own model's backward is seen whatever ran after it.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+
+class Record:
+    """One optimizer's grads reduced since its last step, and how they were seen."""
+
+    def __init__(self, seam):
+        self.seam = seam
+        self.accumulated = False  # a backward ran onto reduced grads
+        self._watched = 0         # params whose incoming grads are watched
+        self.pending: set[int] = set()  # params reduced, their grads not read yet
+        self._record_queued = False  # a record of `pending` runs after DDP's write-back
+        # param_id -> (weakref to its grad, the grad's version) once DDP wrote it (weak: a
+        # grad dropped by zero_grad is freed); params whose buckets were all-reduced have
+        # none (their grads are whole: anything may read or change them)
+        self.seen: dict[int, tuple] | None = None
+        self.cuts: list[_Cut] = []  # the tags of the grads recorded since the last step
+        # what changed grads had undergone when gather_grads made them whole (changes()):
+        # a clip of partial grads before the gather is still an error at the step
+        self.gathered_changes: dict = {}
+        self.reduced_under: dict = {}  # param_id -> the seam's Ownership it was cut by
+
+    def reduced(self, param_ids, ownership) -> None:
+        """The hook reduce-scatters these params' grads under `ownership`."""
+        for pid in param_ids:
+            self.reduced_under[pid] = ownership
+        self.pending.update(param_ids)
+
+    def after_bucket(self, bucket) -> None:
+        """After the hook ran for `bucket` (here, on the autograd thread): watch incoming
+        grads, and at DDP's last bucket queue the record of the grads reduced since the
+        last record, to run once DDP has written them back. DDP queues its write-back
+        (finalize) right after the last bucket's hook, into the graph task running now (the
+        innermost backward, under reentrant activation checkpointing); a callback queued
+        from a callback that runs before it comes after it."""
+        self._watch_accumulation()
+        if not bucket.is_last() or not self.pending or self._record_queued:
+            return
+        engine = torch.autograd.Variable._execution_engine
+        try:
+            engine.queue_callback(lambda: engine.queue_callback(self._record))
+            self._record_queued = True
+        except RuntimeError:  # not inside a backward (DDP's join hook runs buckets itself)
+            pass
+
+    def _watch_accumulation(self) -> None:
+        """A hook on every trainable param's incoming grad (registered once per param)
+        notices a backward that adds onto a grad this hook reduced, untouched since (no
+        step, no zero_grad between): the elements a rank does not own hold its local grad,
+        so the next reduction would mix averaged and local grads. The next step raises."""
+        params = self.seam.params
+        me = weakref.ref(self)
+        for i in range(self._watched, len(params)):
+            if params[i].requires_grad:
+                params[i].register_hook(functools.partial(_incoming_grad, me, i))
+        self._watched = len(params)
+
+    @torch._disable_dynamo
+    def _record(self) -> None:
+        """Each grad reduced since the last record, as DDP wrote it: its identity, its
+        version, and the tag naming this optimizer's plan. Kept with the records of the
+        other backward passes before the step (several DDP models): a grad changed after
+        its own model's backward is caught even when another backward came after."""
+        self._record_queued = False
+        if self.seam.optimizer is None:
+            return
+        params = self.seam.params
+        pending, self.pending = self.pending, set()
+        if self.seen is None:
+            self.seen = {}
+        cut = _Cut(self)
+        self.cuts.append(cut)
+        _Cut.made = True
+        for i in pending:
+            g = params[i].grad
+            if g is not None:
+                self.seen[i] = (weakref.ref(g), g._version)
+                g._zero_ext_cut = cut
+
+    def start_step(self) -> None:
+        """The step reads the grads: what the backward passes left is consumed."""
+        self.seen, self.cuts, self.reduced_under, self.gathered_changes = None, [], {}, {}
+
+    def moved_ownership(self) -> list[int]:
+        """Indices of reduced params whose owners changed since the reduction (a new
+        partition between backward and step): their owners now hold unreduced grads."""
+        if not self.reduced_under:
+            return []
+        now = self.seam.ownership()
+        return sorted(i for i, then in self.reduced_under.items()
+                      if then.token is not now.token
+                      and sorted(then.runs.get(i, ())) != sorted(now.runs.get(i, ())))
+
+    def changes(self, ids=None) -> dict:
+        """param_id -> "replaced", or (its version bumps since the hook, its grad's counter
+        key), for every recorded grad still held (of `ids`, when given)."""
+        out = {}
+        params = self.seam.params
+        for i, s in (self.seen or {}).items():
+            g = params[i].grad
+            if g is None or (ids is not None and i not in ids):
+                continue  # dropped (not stepped)
+            out[i] = "replaced" if g is not s[0]() else (g._version - s[1], _counter_key(g))
+        return out
+
+    def changed_grads(self, scaler: bool) -> list[int]:
+        """Indices of params whose grad was replaced or written in place since the hook
+        (GradScaler's one in-place pass over every grad allowed when `scaler`), also those
+        changed before gather_grads made them whole."""
+        if self.seen is None:
+            return []
+        for cut in self.cuts:
+            cut.consumed = True
+        # A grad's version counter is shared by every grad viewing one buffer (DDP's
+        # gradient_as_bucket_view); GradScaler's pass (its inf check in step(), or
+        # unscale_) bumps it once per such grad, where its kernel bumps versions at all.
+        allowed: dict = {}
+        if scaler:
+            for p in self.seam.params:
+                if p.grad is not None and _scaler_bumps_versions(p.grad.device):
+                    k = _counter_key(p.grad)
+                    allowed[k] = allowed.get(k, 0) + 1
+        return [i for i, c in sorted({**self.gathered_changes, **self.changes()}.items())
+                if c == "replaced" or (c[0] and c[0] != allowed.get(c[1]))]
+
+
+class _Cut:
+    """One backward's reduce-scatter, tagged onto every grad it wrote (`._zero_ext_cut`):
+    whose plan decided which rank holds which averaged elements, and whether that
+    optimizer's step has read them. On the grads, not in a registry, so that every rank
+    sees the same tags whether or not the old optimizer is still alive."""
+
+    __slots__ = ("record", "consumed")
+    made = False  # any in this process: else no grad needs looking at
+
+    def __init__(self, record):
+        self.record = weakref.ref(record)
+        self.consumed = False
+
+
+_SCALER_BUMPS: dict = {}
+
+
+def _scaler_bumps_versions(device: torch.device) -> bool:
+    """Whether GradScaler's in-place unscale kernel advances the version counters of the
+    grads on `device` (it does not on CPU in torch 2.14): asked once per device type."""
+    if device.type not in _SCALER_BUMPS:
+        t = torch.zeros(1, device=device)
+        v = t._version
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [t], torch.zeros(1, device=device), torch.ones(1, device=device))
+        _SCALER_BUMPS[device.type] = t._version != v
+    return _SCALER_BUMPS[device.type]
+
+
+@torch._disable_dynamo
+def _incoming_grad(record_ref, i: int, grad):
+    """Tensor hook of param i (see Record._watch_accumulation): runs before autograd adds
+    `grad` to the param's .grad."""
+    r = record_ref()
+    s = None if r is None or r.seen is None else r.seen.get(i)
+    if s is not None:
+        g = None if r.seam.optimizer is None else r.seam.params[i].grad
+        if g is not None and g is s[0]() and g._version == s[1]:
+            r.accumulated = True
+    return None
+
+
+def _counter_key(g: torch.Tensor) -> tuple:
+    base = g._base if g._base is not None else g
+    return (base.device, base.untyped_storage().data_ptr())

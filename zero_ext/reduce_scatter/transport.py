@@ -1,0 +1,310 @@
+"""How reduce_scatter_hook moves a segment of a DDP bucket: the collectives, on which lane,
+in which order, into which scratch.
+
+- On NCCL, where the owners' shares of the segment are near equal ("even" mode), one
+  `reduce_scatter_single` of W equal blocks (each rank's runs packed into its block, the sum
+  on the wire in the grads' dtype as DDP's all-reduce sums; float16 divided first).
+- Elsewhere one `all_to_all_single` with split sizes, then a local sum: on gloo it costs
+  less than a reduce-scatter, which costs a whole all-reduce there, and it moves raw bytes
+  (bf16 too) while the sum runs here in float32 for bf16/fp16 grads.
+- Hybrid layouts: each owned sum is then all-reduced over the replica group, in segment
+  order on every rank.
+- Consecutive segments alternate between the exchange's lanes, at most one in flight per
+  lane; the scratch is kept per lane from one segment and one iteration to the next.
+"""
+# (no `from __future__ import annotations`: kept alike with the hook's module)
+import itertools
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ..sync import reduce_scatter_single, wire_view
+from .plan import Segment
+
+
+# How a segment travels: "auto" is `reduce_scatter_tensor` on NCCL when the owners' shares
+# of the segment are near equal (every link then does equal work, half an all-reduce's
+# time), else `all_to_all_single` plus a local sum: reduce_scatter_tensor moves W equal
+# blocks, so a segment one rank owns (param mode) would cost W-1 times its size per rank.
+# On gloo reduce_scatter_tensor costs a whole all-reduce (134-145 ms against 100-111 ms for
+# a 4 MB bucket at world 4 behind 400 Mbit/s links). "reduce_scatter" or "all_to_all"
+# force one (tests, benchmarks). Every rank must use the same.
+TRANSPORTS = ("auto", "reduce_scatter", "all_to_all")
+TRANSPORT = os.environ.get("ZERO_EXT_HOOK_TRANSPORT", "auto")
+# "auto" takes reduce_scatter_tensor when the padding to W equal blocks adds at most this
+# much to the segment (sharding="even": chunk rounding only)
+REDUCE_SCATTER_MAX_PADDING = 0.125
+
+
+def _is_nccl(group) -> bool:
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+def reduce_scatters(buf: torch.Tensor, group, splits: list) -> bool:
+    """Whether a segment of `buf` with these owners' `splits` travels by
+    reduce_scatter_tensor over `group` (decided from the plan: alike on every rank)."""
+    if TRANSPORT not in TRANSPORTS:
+        raise ValueError(f"ZERO_EXT_HOOK_TRANSPORT must be one of {TRANSPORTS}, got "
+                         f"{TRANSPORT!r}")
+    if TRANSPORT != "auto":
+        return TRANSPORT == "reduce_scatter"
+    padded = len(splits) * max(splits)
+    return (buf.is_cuda and _is_nccl(group)
+            and padded <= (1 + REDUCE_SCATTER_MAX_PADDING) * sum(splits))
+
+
+class Transfers:
+    """The hook's collectives for one optimizer: segments issued in order on the lanes of
+    its exchange, their scratch, and (hybrid) the replica all-reduces in issue order."""
+
+    def __init__(self, seam, world: int, rank: int):
+        self.seam = seam
+        self.world, self.rank = world, rank
+        self.replica_group = None  # hybrid: the owned sums are all-reduced over it
+        self.seq = 0            # the hook's segments since the last step (issue order)
+        self.ordered = _InOrder()
+        self.in_flight: dict = {}  # lane -> the future of its last segment
+        # Scratch per lane, (lane, name, dtype, device) -> buffer, grown to the largest
+        # bucket: bounded by the buckets in flight (one per lane), not one set per bucket,
+        # and kept from one backward to the next (a fresh multi-MB buffer per bucket per
+        # iteration costs its page faults every time: on gloo, 2 ranks, 33.6M fp32
+        # elements, a reduce-scatter took 105 ms with kept buffers, 200-265 ms with fresh)
+        self.scratch: dict = {}
+
+    def restart(self) -> None:
+        """At a step: no transfer is in flight (DDP waited for every one before its
+        backward returned); the next backward issues afresh."""
+        self.seq, self.ordered, self.in_flight = 0, _InOrder(), {}
+
+    def reduce(self, buf: torch.Tensor, segments: list) -> torch.futures.Future:
+        """The future of `buf` (a DDP bucket) once every segment's owned sum is in it."""
+        futs = [self._reduce_segment(buf, seg) for seg in segments]
+        if len(futs) == 1:
+            return futs[0]
+        # (a future made here knows no CUDA streams unless told: DDP would read the bucket
+        # before the segments' sums on other streams are done)
+        result = _future_on(buf)
+        torch.futures.collect_all(futs).then(lambda f: _settle(
+            result, lambda: ([x.wait() for x in f.wait()], buf)[1]))
+        return result
+
+    def _reduce_segment(self, buf: torch.Tensor, seg: Segment) -> torch.futures.Future:
+        seq, self.seq = self.seq, self.seq + 1
+        world, me = self.world, self.rank
+        mine = seg.splits[me]
+        # gloo moves one op per process group at a time: consecutive segments alternate
+        # between the exchange's lanes (groups over the same ranks) to travel at once
+        # (measured: a 33.6M-element reduce-scatter 105 -> 65 ms on two lanes). At most
+        # one op in flight per lane: several async ops on one gloo group can start in a
+        # different order on different ranks (broadcasts were seen to deadlock at world 3).
+        lanes = self.seam.lanes
+        lane = seq % len(lanes)
+        prev = self.in_flight.pop(lane, None)
+        if prev is not None:
+            prev.wait()  # the lane's last segment, written back: its scratch is free again
+        replicas = self.replica_group
+        total = world * (1 if replicas is None else dist.get_world_size(replicas))
+        # (divisor: what the sum is still to be divided by)
+        if reduce_scatters(buf, lanes[lane], seg.splits):
+            work, owned_sum, divisor = self._issue_reduce_scatter(lanes[lane], lane, buf, seg,
+                                                                  me, total)
+        else:
+            work, owned_sum, divisor = self._issue_all_to_all(lanes[lane], lane, buf, seg, me,
+                                                              total, direct=replicas is None)
+
+        def write_back(summed) -> torch.Tensor:
+            if summed is None:  # (direct: in the runs already)
+                for o, n in seg.runs[me]:
+                    buf[o:o + n].div_(divisor)
+                return buf
+            if divisor != 1:
+                summed.div_(divisor)
+            pos = 0
+            for o, n in seg.runs[me]:
+                buf[o:o + n].copy_(summed[pos:pos + n])
+                pos += n
+            return buf
+
+        if replicas is None:
+            done = _future_of(work, buf).then(
+                lambda fut: (fut.wait(), write_back(owned_sum()) if mine else buf)[1])
+            self.in_flight[lane] = done
+            return done
+        # Hybrid: the owned sum is then all-reduced across the replicas. Futures complete
+        # in any order, but collectives must be issued in the same order on every rank:
+        # the segment order (DDP runs the hook bucket by bucket, alike everywhere).
+        result = _future_on(buf)
+
+        def after_shard_sum(fut) -> None:
+            try:
+                fut.wait()
+                summed = owned_sum() if mine else None
+            except Exception as exc:  # noqa: BLE001 - handed to DDP through the future
+                result.set_exception(exc)
+                summed = None
+
+            def issue() -> None:
+                if summed is None:
+                    if not result.done():
+                        result.set_result(buf)
+                    return
+                w = dist.all_reduce(summed, group=replicas, async_op=True)
+                w.get_future().then(lambda f: _settle(result, lambda: (
+                    f.wait(), write_back(summed))[1]))
+
+            self.ordered.submit(seq, issue)
+
+        _future_of(work, buf).then(after_shard_sum)
+        self.in_flight[lane] = result
+        return result
+
+    def _issue_all_to_all(self, group, lane: int, buf: torch.Tensor, seg: Segment,
+                          me: int, total: int, direct: bool):
+        """Every rank's runs to their owner in one all_to_all (raw bytes: any dtype on
+        gloo), then the W copies summed here. Returns the work, the function that gives
+        this rank's sum in run order (None: already summed into the runs of `buf`), and
+        what that sum is still to be divided by (`total`)."""
+        world, mine = len(seg.splits), seg.splits[me]
+        low = buf.dtype in (torch.bfloat16, torch.float16)  # summed in float32
+        # full-precision sums without replicas go straight into this rank's runs of the
+        # bucket; bf16/fp16 ones are summed in float32, hybrid ones all-reduced first
+        direct = direct and not low
+        recv = self._scratch(lane, "recv", world * mine, buf)
+        acc = None if direct else self._scratch(lane, "sum", mine, buf,
+                                                torch.float32 if low else buf.dtype)
+        size = sum(seg.splits)
+        if seg.in_place:
+            send = buf[seg.start:seg.start + size]
+        else:
+            send = self._scratch(lane, "send", size, buf)
+            pack(send, buf, seg.runs, list(itertools.accumulate([0] + seg.splits[:-1])))
+        backend = dist.get_backend(group)
+        work = dist.all_to_all_single(wire_view(recv, backend), wire_view(send, backend),
+                                      output_split_sizes=[mine] * world,
+                                      input_split_sizes=seg.splits, group=group,
+                                      async_op=True)
+
+        def chain_of_adds(parts, out) -> None:
+            # 2.4x faster than torch.sum over the rank dim on one CPU thread (4.2M fp32
+            # elements: 3.1 vs 7.6 ms)
+            if len(parts) == 1:
+                out.copy_(parts[0])
+            elif low:  # (add_ into a float32 tensor sums in float32)
+                out.copy_(parts[0]).add_(parts[1])
+            else:
+                torch.add(parts[0], parts[1], out=out)
+            for part in parts[2:]:
+                out.add_(part)
+
+        def owned_sum():
+            parts = recv.view(world, mine).unbind(0)
+            if not direct:
+                chain_of_adds(parts, acc)
+                return acc
+            pos = 0
+            for o, n in seg.runs[me]:
+                chain_of_adds([q[pos:pos + n] for q in parts], buf[o:o + n])
+                pos += n
+            return None
+
+        return work, owned_sum, total
+
+    def _issue_reduce_scatter(self, group, lane: int, buf: torch.Tensor, seg: Segment,
+                              me: int, total: int):
+        """One `reduce_scatter_tensor` (NCCL's: every link does equal work, the sum on the
+        wire in the grads' dtype, as DDP's all-reduce sums): rank r's runs packed into the
+        r-th of W equal blocks (the largest rank's share; the rest of a block is padding
+        nobody reads). With a single owned run of the block's length the output is that
+        run of the bucket itself. float16 grads are divided by `total` while packed, before
+        the sum (as DDP divides before its all-reduce): W copies summed on the wire would
+        overflow from 65504 / W. Returns the work, the function that gives this rank's sum,
+        and what that sum is still to be divided by."""
+        world, mine = len(seg.splits), seg.splits[me]
+        block = max(seg.splits)
+        first = buf.dtype == torch.float16
+        if seg.in_place and all(n == block for n in seg.splits) and not first:
+            send = buf[seg.start:seg.start + block * world]
+        else:
+            send = self._scratch(lane, "send", block * world, buf)
+            pack(send, buf, seg.runs, [r * block for r in range(world)],
+                  total if first else None)
+        # (an output inside the input is NCCL's in-place form; gloo is not promised it, but
+        # torch 2.14's gloo gives the right sums for it, so the transport forced on gloo
+        # runs NCCL's form exactly: tests/test_nccl_paths.py)
+        straight = (len(seg.runs[me]) == 1 and mine == block
+                    and (send.data_ptr() != buf.data_ptr() + seg.start * buf.element_size()
+                         or _is_nccl(group) or TRANSPORT == "reduce_scatter"))
+        out = (buf[seg.runs[me][0][0]:seg.runs[me][0][0] + block] if straight
+               else self._scratch(lane, "recv", block, buf))
+        work = reduce_scatter_single(out, send, group=group, async_op=True)
+
+        def owned_sum():
+            return out[:mine]
+
+        return work, owned_sum, 1 if first else total
+
+    def _scratch(self, lane: int, name: str, n: int, like: torch.Tensor,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = like.dtype if dtype is None else dtype
+        key = (lane, name, dtype, like.device)
+        buf = self.scratch.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self.scratch[key] = torch.empty(n, dtype=dtype, device=like.device)
+        return buf[:n]
+
+
+class _InOrder:
+    """Runs submitted actions in the order of their sequence numbers, whichever thread
+    submits them (each runs once every earlier one has been submitted and run)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.next = 0
+        self.waiting: dict = {}
+
+    def submit(self, seq: int, action) -> None:
+        with self.lock:
+            self.waiting[seq] = action
+            while self.next in self.waiting:
+                self.waiting.pop(self.next)()
+                self.next += 1
+
+
+def _future_on(t: torch.Tensor) -> torch.futures.Future:
+    """A future whose completion orders `t`'s device streams (CUDA) as the collectives'
+    own futures do."""
+    return torch.futures.Future(devices=[t.device]) if t.is_cuda else torch.futures.Future()
+
+
+def _future_of(work, t: torch.Tensor) -> torch.futures.Future:
+    """The future of a collective's `work` on `t`. gloo's reduce_scatter_tensor work has
+    none (the transport forced on gloo, for tests): it is waited for here instead."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        work.wait()
+        done = _future_on(t)
+        done.set_result([t])
+        return done
+
+
+def _settle(result: torch.futures.Future, compute) -> None:
+    try:
+        result.set_result(compute())
+    except Exception as exc:  # noqa: BLE001 - handed to DDP through the future
+        result.set_exception(exc)
+
+
+def pack(send: torch.Tensor, buf: torch.Tensor, runs: list, starts: list,
+          divisor: int | None = None) -> None:
+    """Rank r's runs of `buf`, in order, into `send` from starts[r] (divided by `divisor`
+    on the way when one is given)."""
+    for rr, pos in zip(runs, starts):
+        for o, n in rr:
+            if divisor is None:
+                send[pos:pos + n].copy_(buf[o:o + n])
+            else:
+                torch.div(buf[o:o + n], divisor, out=send[pos:pos + n])
+            pos += n

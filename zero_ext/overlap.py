@@ -158,6 +158,7 @@ class BucketStepper:
                 "part in the step's exchange")
 
     def on_bucket(self, bucket, fut):
+        self.seam.wait_for_params()  # (overlap_param_gather: the last step's exchange)
         ddp = self.ddp()
         if not ddp._has_rebuilt_buckets:
             return fut  # warm-up: DDP's buckets are not final yet

@@ -218,13 +218,15 @@ class Replicas:
         return any(not p.requires_grad and p.grad is not None for p in self.plan.params)
 
     def sync(self, exchange_frozen: bool, buffers_sent: bool = False,
-             trainable: tuple[bool, ...] | None = None) -> None:
+             trainable: tuple[bool, ...] | None = None, deferred=None):
         """Send this rank's updated elements of every bucket to all ranks (`buffers_sent`:
         the overlapped local step already sent the bucket buffers; `trainable`: every
-        param's requires_grad, when the caller has it already)."""
+        param's requires_grad, when the caller has it already). `deferred` (no bucket views):
+        a param_gather.ParamGather that leaves the exchange in flight, planned in the order
+        the forward first uses the params; returns (its queue, each item's param ids)."""
         plan = self.plan
         if plan.world_size == 1:
-            return
+            return None
         if self.bucket_view:
             if buffers_sent:
                 pass
@@ -240,23 +242,35 @@ class Replicas:
         # travel only when some rank stepped one (it held a grad).
         if trainable is None:
             trainable = tuple(p.requires_grad for p in plan.params)
-        key = (exchange_frozen, trainable)
+        order = None if deferred is None else deferred.positions
+        key = (exchange_frozen, trainable, None if order is None else id(order))
         if key not in self._messages:
             active = (lambda pid: True) if exchange_frozen else plan.trainable
             if len(self._messages) > 16:  # one plan per trainable mask seen: keep it bounded
                 self._messages.clear()
+            buckets = plan.buckets
+            if order is not None:  # (the forward's order: its first params travel first)
+                last = len(order)
+                buckets = sorted(buckets, key=lambda b: min(
+                    order.get(pid, last + pid) for pid in b.param_ids))
             if plan.sharding != layout.EVEN:
-                self._messages[key] = plan_messages(plan.buckets, plan.world_size, active)
+                self._messages[key] = plan_messages(buckets, plan.world_size, active)
             elif uses_gathers(self.ex):  # every link does equal work (see sync.py)
-                self._messages[key] = plan_gathers(plan.buckets, plan.world_size, active)
+                self._messages[key] = plan_gathers(buckets, plan.world_size, active)
             else:  # (gloo at world 2: one broadcast per owner on each of two lanes)
-                self._messages[key] = plan_messages(plan.buckets, plan.world_size, active,
+                self._messages[key] = plan_messages(buckets, plan.world_size, active,
                                                     across_buckets=True)
         messages = self._messages[key]
-        if messages and isinstance(messages[0], Gather):
-            exchange_gathers(self.ex, messages, plan.element_view)
-        else:
-            exchange_pieces(self.ex, messages, plan.element_view)
+        gathers = bool(messages) and isinstance(messages[0], Gather)
+        exchange = exchange_gathers if gathers else exchange_pieces
+        if deferred is None:
+            exchange(self.ex, messages, plan.element_view)
+            return None
+        lanes, bounded = deferred.transport(self.ex, len(messages))
+        queue = exchange(self.ex, messages, plan.element_view, lanes=lanes, defer=True,
+                         bounded=bounded)
+        return queue, [[pc[0] for pc in (m.params if gathers else m.pieces)]
+                       for m in messages]
 
     def exchange_views(self, view_of, active) -> None:
         """Every owner's elements of tensors laid out like the params (`view_of(param_id,

@@ -175,6 +175,11 @@ class HookSeam:
 
         zero._replicas.exchange_views(view_of, lambda pid: pid in param_ids)
 
+    def wait_for_params(self) -> None:
+        """The last step's exchange, if left in flight (overlap_param_gather), completed:
+        before a hook's collectives and before a step it runs itself."""
+        self._zero().wait_for_params()
+
     def state_changed(self) -> None:
         """A step is under way: an earlier consolidation is out of date."""
         self._zero()._state_changed()
@@ -193,8 +198,19 @@ class HookSeam:
             (int(frozen_stepped), mask, -mask, hp, -hp))
         check_same_mask(top, bottom, what)
         check_same_hyperparameters(hp_top, hp_bottom, what, stepped=True)
-        zero._replicas.sync(exchange_frozen=bool(frozen), buffers_sent=buffers_sent,
-                            trainable=trainable)
+        gather = zero._param_gather  # (overlap_param_gather: left in flight for the forward)
+        if gather is not None:
+            gather.agree_order()
+        if gather is not None and gather.ready:
+            out = zero._replicas.sync(exchange_frozen=bool(frozen), trainable=trainable,
+                                      deferred=gather)
+            if out is not None:
+                gather.start(*out)
+        else:
+            zero._replicas.sync(exchange_frozen=bool(frozen), buffers_sent=buffers_sent,
+                                trainable=trainable)
+            if gather is not None:
+                gather.begin_recording()  # the next forward's order of first use
         groups_mod.copy_hyperparameters(zero.optim.param_groups, zero.param_groups)
 
     # -------------------------------------------------------------- overlap_with_ddp rules

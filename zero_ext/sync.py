@@ -18,6 +18,7 @@ dtype (gloo and bf16), which is exact since nothing is reduced.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -225,39 +226,100 @@ def plan_messages(buckets, world: int, active: Callable[[int], bool],
     return out
 
 
-def _on_lanes(lanes: list, items: list, issue: Callable, finish: Callable) -> None:
-    """Item i travels on lane i % len(lanes), at most one op in flight per lane (several
-    async ops on one gloo group can start in a different order on different ranks):
-    `issue(item, lane)` starts its op and returns (work, state); once the work is done,
-    `finish(item, state)` runs, before the lane's next item is issued (so it may reuse
-    the lane's buffers) and for every lane at the end."""
-    pending: list = [None] * len(lanes)
+class LaneQueue:
+    """The collectives of one exchange, issued in order, item i on lane i % len(lanes).
 
-    def complete(lane: int) -> None:
-        if pending[lane] is not None:
-            item, work, state = pending[lane]
+    Bounded (gloo): at most one op in flight per lane (several async ops on one gloo group
+    can start in a different order on different ranks: broadcasts were seen to deadlock at
+    world 3), so an item is issued once the item before it on its lane has finished.
+    Unbounded (NCCL, an exchange left in flight): every item is issued at once (a
+    communicator runs its ops in issue order). `issue(item, group, slot)` starts an item's op
+    and returns (work, state); `slot` names the buffers it may use (its lane when bounded,
+    the item itself otherwise); `finish(item, state)` runs once the op is done, in issue
+    order. One thread drives a queue; with `wait_finished` another may wait on it."""
+
+    def __init__(self, lanes: list, items: list, issue: Callable, finish: Callable,
+                 bounded: bool = True):
+        self.lanes, self.items = lanes, items
+        self.issue_fn, self.finish_fn = issue, finish
+        self.bounded = bounded
+        self.issued = 0
+        self.finished = 0
+        self.inflight: dict = {}
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+
+    @property
+    def size(self) -> int:
+        return len(self.items)
+
+    @property
+    def done(self) -> bool:
+        return self.finished == len(self.items)
+
+    def pump(self) -> None:
+        """Issue every item the lanes have room for."""
+        lanes = len(self.lanes)
+        while self.issued < len(self.items) and (
+                not self.bounded or self.issued - self.finished < lanes):
+            i = self.issued
+            slot = i % lanes if self.bounded else i
+            self.inflight[i] = self.issue_fn(self.items[i], self.lanes[i % lanes], slot)
+            self.issued += 1
+
+    def complete_through(self, k: int) -> None:
+        """Items 0..k finished (issuing later ones as lanes free up)."""
+        k = min(k, len(self.items) - 1)
+        while self.finished <= k:
+            if self.finished == self.issued:
+                self.pump()
+            i = self.finished
+            work, state = self.inflight.pop(i)
             work.wait()
-            pending[lane] = None
-            finish(item, state)
+            self.finish_fn(self.items[i], state)
+            with self.cond:
+                self.finished += 1
+                self.cond.notify_all()
+            self.pump()
 
-    for i, item in enumerate(items):
-        lane = i % len(lanes)
-        complete(lane)
-        pending[lane] = (item, *issue(item, lane))
-    for lane in range(len(lanes)):
-        complete(lane)
+    def complete_all(self) -> None:
+        self.pump()
+        self.complete_through(len(self.items) - 1)
+
+    def run_to_end(self) -> None:
+        """(a worker thread) Everything, keeping an error for wait_finished to raise."""
+        try:
+            self.complete_all()
+        except BaseException as exc:  # noqa: BLE001 - raised in the waiting thread
+            with self.cond:
+                self.error = exc
+                self.cond.notify_all()
+
+    def wait_finished(self, k: int) -> None:
+        """(another thread) Block until items 0..k have finished."""
+        k = min(k, len(self.items) - 1)
+        with self.cond:
+            while self.finished <= k and self.error is None:
+                self.cond.wait()
+            if self.error is not None:
+                raise RuntimeError(f"zero_ext: the params' exchange failed: {self.error}") \
+                    from self.error
 
 
 def exchange_pieces(ex: Exchanger, messages: list[Message],
-                    view_of: Callable[[int, int, int], torch.Tensor]) -> None:
+                    view_of: Callable[[int, int, int], torch.Tensor], lanes: list | None = None,
+                    defer: bool = False, bounded: bool = True) -> LaneQueue:
     """Broadcast every message from its owner into the params of every other rank.
 
     `view_of(param_id, start, length)` is the param's elements [start, start+length) as a
-    tensor (a 1-D view for contiguous params). At most one message per lane is in flight;
-    a lane's staging buffer is reused once its broadcast has completed.
+    tensor (a 1-D view for contiguous params). On `lanes` (default: the exchanger's), at
+    most one message per lane in flight when `bounded`, a lane's staging buffer reused once
+    its broadcast has completed (unbounded: each message has its own). Returns the queue,
+    completed unless `defer` (then nothing is issued yet: the caller drives it).
     """
-    if ex.world == 1 or not messages:
-        return
+    lanes = lanes or ex.lanes
+    if ex.world == 1:
+        messages = []
     staging: dict = {}
 
     def offsets(m: Message) -> list[int]:
@@ -277,14 +339,14 @@ def exchange_pieces(ex: Exchanger, messages: list[Message],
             else:
                 kernels.unflatten_from(buf, [view_of(*pc) for pc in m.pieces], offsets(m))
 
-    def issue(m: Message, lane: int) -> tuple:
+    def issue(m: Message, group, slot: int) -> tuple:
         if m.direct:
             buf = view_of(*m.pieces[0])
             if not buf.is_contiguous():  # a strided param: one temporary of its size
                 buf = buf.contiguous()
             buf = buf.view(-1)
         else:
-            key = (lane, m.device, m.dtype)
+            key = (slot, m.device, m.dtype)
             cap = max(1, STAGING_BYTES // torch.empty((), dtype=m.dtype).element_size())
             if key not in staging:
                 staging[key] = torch.empty(cap, dtype=m.dtype, device=m.device)
@@ -292,10 +354,13 @@ def exchange_pieces(ex: Exchanger, messages: list[Message],
             if m.owner == ex.rank:
                 kernels.flatten_into([view_of(*pc) for pc in m.pieces], buf, offsets(m))
         work = dist.broadcast(wire_view(buf, ex.backend), src=ex.global_ranks[m.owner],
-                              group=ex.lanes[lane], async_op=True)
+                              group=group, async_op=True)
         return work, buf
 
-    _on_lanes(ex.lanes, messages, issue, finish)
+    queue = LaneQueue(lanes, messages, issue, finish, bounded)
+    if not defer:
+        queue.complete_all()
+    return queue
 
 
 # ------------------------------------------------------------------ the even exchange
@@ -386,11 +451,15 @@ def plan_gathers(buckets, world: int, active: Callable[[int], bool]) -> list[Gat
 
 
 def exchange_gathers(ex: Exchanger, gathers: list[Gather],
-                     view_of: Callable[[int, int, int], torch.Tensor]) -> None:
-    """Every rank's chunks of every gather's params into every rank's params. At most one
-    gather per lane in flight; a lane's buffers are reused once its gather completed."""
-    if ex.world == 1 or not gathers:
-        return
+                     view_of: Callable[[int, int, int], torch.Tensor], lanes: list | None = None,
+                     defer: bool = False, bounded: bool = True) -> LaneQueue:
+    """Every rank's chunks of every gather's params into every rank's params. On `lanes`
+    (default: the exchanger's), at most one gather per lane in flight when `bounded`, a
+    lane's buffers reused once its gather completed (unbounded: each has its own). Returns
+    the queue, completed unless `defer` (see exchange_pieces)."""
+    lanes = lanes or ex.lanes
+    if ex.world == 1:
+        gathers = []
     me, world = ex.rank, ex.world
     staging: dict = {}
 
@@ -420,7 +489,7 @@ def exchange_gathers(ex: Exchanger, gathers: list[Gather],
             if tail:
                 dst[full * chunk:].copy_(parts[(first + full) % world, off:off + tail])
 
-    def issue(g: Gather, lane: int) -> tuple:
+    def issue(g: Gather, group, slot: int) -> tuple:
         if g.direct:
             pid, ranges, _ = g.params[0]
             # (split modes keep params contiguous: Replicas.refresh refuses strided memory)
@@ -428,7 +497,7 @@ def exchange_gathers(ex: Exchanger, gathers: list[Gather],
             lo, hi = ranges[me]
             send, recv = full[lo:hi], full
         else:
-            key = (lane, g.device, g.dtype)
+            key = (slot, g.device, g.dtype)
             buf = staging.get(key)
             if buf is None or buf.numel() < (world + 1) * g.size:
                 buf = staging[key] = torch.empty((world + 1) * g.size, dtype=g.dtype,
@@ -444,10 +513,13 @@ def exchange_gathers(ex: Exchanger, gathers: list[Gather],
                 kernels.flatten_into(srcs, send, offs)
         work = all_gather_single(wire_view(recv, ex.backend),
                                            wire_view(send, ex.backend),
-                                           group=ex.lanes[lane], async_op=True)
+                                           group=group, async_op=True)
         return work, recv
 
-    _on_lanes(ex.lanes, gathers, issue, finish)
+    queue = LaneQueue(lanes, gathers, issue, finish, bounded)
+    if not defer:
+        queue.complete_all()
+    return queue
 
 
 # ------------------------------------------------------------------ state transport

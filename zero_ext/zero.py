@@ -24,6 +24,7 @@ from . import hybrid, kernels, launcher, layout, state
 from .agree import agree, agree_on_inputs, call_and_agree, rendezvous
 from .fused_adamw import FusedAdamW, fused_path_supported, keep_step_eager
 from .local_step import FusedShardStep
+from .param_gather import ParamGather
 from .precision import found_inf_flag, generic_precision, kernel_divisor, scale_factor
 from .replicas import Replicas
 from .seam import (HookSeam, check_overlap_options, check_same_hyperparameters,
@@ -99,7 +100,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def __init__(self, params, optimizer_class: type, process_group: Any = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
-                 *, sharding: str = "auto", master_weights: bool = False, **defaults: Any):
+                 *, sharding: str = "auto", master_weights: bool = False,
+                 overlap_param_gather: bool = False, **defaults: Any):
         self._initialized = False
         # a single process without a group, an error when torchrun says there are more
         self.process_group, self.world_size, self.rank = launcher.process_group_of(process_group)
@@ -117,6 +119,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 raise ValueError(f"sharding must be one of {SHARDING_MODES}, got {sharding!r}")
             if not isinstance(master_weights, bool):
                 raise TypeError(f"master_weights must be a bool, got {master_weights!r}")
+            if not isinstance(overlap_param_gather, bool):
+                raise TypeError(f"overlap_param_gather must be a bool, got "
+                                f"{overlap_param_gather!r}")
+            if overlap_param_gather and parameters_as_bucket_view:
+                raise ValueError(
+                    "overlap_param_gather=True leaves the params' exchange in flight after "
+                    "the step, into the params' own memory; with parameters_as_bucket_view="
+                    "True the buckets are exchanged during the local step instead (gloo): use "
+                    "one or the other")
             check_overlap_options(optimizer_class, master_weights, overlap_with_ddp)
             splits = sharding in layout.SPLIT_MODES
             if splits and not is_elementwise(optimizer_class):
@@ -150,6 +161,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "parameters_as_bucket_view": bool(parameters_as_bucket_view),
                 "overlap_with_ddp": bool(overlap_with_ddp),
                 "master_weights": master_weights,
+                "overlap_param_gather": overlap_param_gather,
                 "defaults": sorted(defaults.items())})
         except Exception as exc:  # noqa: BLE001 - re-raised after the other ranks know
             error = exc
@@ -170,6 +182,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # Every param in group order (torch's ZeRO has this attribute; code in the wild reads it).
         self._all_params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self.hook_seam = HookSeam(self)  # what DDP comm hooks read of it and ask of it
+        # overlap_param_gather: the exchange after a step left in flight for the forward
+        self._param_gather = ParamGather(self) if overlap_param_gather else None
         self._replicas = Replicas(Exchanger(self.process_group, self.rank, self.world_size),
                                   self.parameters_as_bucket_view)
         self._consolidated: dict | None = None  # the full state, on the rank it went to
@@ -292,6 +306,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def add_param_group(self, param_group: dict) -> None:
         if not self._initialized:
             return super().add_param_group(param_group)
+        self.wait_for_params()
         error, group = None, None
         try:
             if not isinstance(param_group, dict):
@@ -363,6 +378,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         if self._overlap_with_ddp:  # the DDP comm hook has stepped (torch returns None)
             return self.hook_seam.user_step(closure)
+        self.wait_for_params()  # (the last step's exchange, left in flight)
         Join.notify_join_context(self)
         # Set around step() by torch.amp.GradScaler (_step_supports_amp_scaling): grads not
         # unscaled yet are divided by grad_scale; found_inf nonzero means skip the step.
@@ -553,6 +569,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for lp in self.plan.local:
             lp.key.grad = None
 
+    @torch._disable_dynamo
+    def wait_for_params(self) -> None:
+        """With ``overlap_param_gather=True``: return once every owner's update of the last
+        step has reached this rank's params (nothing to do otherwise). Call it, on every
+        rank, before the script itself reads or writes params between ``step()`` and the
+        next forward (an EMA over ``model.parameters()``, logging a weight, copying weights
+        in); torch's and zero_ext's own paths wait by themselves."""
+        if self._param_gather is not None:
+            self._param_gather.wait_all()
+
     # ------------------------------------------------------------------ clipping
 
     @torch._disable_dynamo
@@ -574,6 +600,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         drops it. ``norm_type`` is any non-zero p, ``inf`` or ``-inf`` (or their strings).
         """
         self.hook_seam.refuse_clip()
+        self.wait_for_params()
         max_norm, norm_type = grad_norm.validate(max_norm, norm_type)
         if self._join_config.enable:
             raise NotImplementedError(
@@ -612,6 +639,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # ------------------------------------------------------------------ join
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        self.wait_for_params()  # (a Join context is being entered: DDP's reads params)
         return _ZeroJoinHook(self)
 
     @property
@@ -628,6 +656,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collect the full optimizer state on rank `to` of the process group (call it on
         every rank); state_dict() on that rank then returns it, as in torch."""
+        self.wait_for_params()
         self._consolidated = state.consolidate(self, to)
         self._consolidation = (self._state_epoch, to)
 
@@ -657,6 +686,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
           load_state_dict() accepts). A rank that calls it alone waits for the others,
           warning every minute (HF Trainer: see zero_ext.integrations.transformers).
         """
+        self.wait_for_params()
         fresh = self._consolidation is not None and self._consolidation[0] == self._state_epoch
         if fresh and self._consolidated is not None:
             return state.torch_format(self, self._consolidated)
@@ -680,4 +710,5 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Load a torch-format state dict (ours, torch's ZeRO's or a plain optimizer's),
         without modifying it. Collective. Ranks given None (or the placeholder) receive
         their share: ``opt.load_state_dict(torch.load(f) if rank == 0 else None)``."""
+        self.wait_for_params()
         state.load(self, state_dict)

@@ -206,6 +206,7 @@ def save(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
     import torch.distributed.checkpoint as dcp
 
     opt = optimizer
+    opt.wait_for_params()  # (overlap_param_gather: the last step's exchange, in flight)
     path = os.path.abspath(os.fspath(path))
     job, error = _join_job(opt, job_of(opt, process_group), path, "zero_ext.checkpoint.save")
     tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
@@ -251,6 +252,7 @@ def load(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
     is unchanged.
     """
     opt = optimizer
+    opt.wait_for_params()  # (overlap_param_gather: the last step's exchange, in flight)
     path = os.path.abspath(os.fspath(path))
     job, error = _join_job(opt, job_of(opt, process_group), path, "zero_ext.checkpoint.load")
     reads, local, meta, where = None, None, None, None

@@ -178,6 +178,7 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
                 "Register DDP's default all-reduce on the model whose params no zero_ext "
                 "optimizer holds")
         return _all_reduce(bucket, group)
+    opt.hook_seam.wait_for_params()  # (before any collective on the exchange's lanes)
     if opt.hook_seam.joined:
         raise NotImplementedError(
             "reduce_scatter_hook under a Join context (uneven inputs) is not supported: "

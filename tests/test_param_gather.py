@@ -1,0 +1,287 @@
+"""overlap_param_gather=True: the params' exchange left in flight after the step, each
+module's next forward waiting for its own params, against DDP + torch.optim.AdamW.
+
+Every path that reads (or writes) params between a step and the next forward must see the
+stepped values on every rank: a forward (train, eval, under DDP's no_sync), model.state_dict,
+model.load_state_dict (its values must not be overwritten by the exchange afterwards),
+opt.state_dict, consolidate_state_dict, checkpoint.save / load, load_state_dict,
+add_param_group, clip_grad_norm_, the next step, Join, zero_grad then forward, and the
+user's own reads after opt.wait_for_params(). Each is checked by reading the params (or the
+forward's output) against the reference's stepped values, in every sharding mode, with and
+without reduce_scatter_hook, at worlds 2 and 3 and in a hybrid 2 x 2 layout; the exchange
+runs in gloo's form (a worker thread, two lanes of its own) and, forced, in NCCL's (every
+collective issued at the step, waited for by the forward's thread).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+from _dist import error_of, gloo_available, run_world
+
+pytestmark = pytest.mark.skipif(not gloo_available(), reason="needs torch.distributed with gloo")
+
+# (1e-5: Adam turns last-ulp differences between zero_ext's fused kernel and torch's loop
+# into up to 3e-6 on an element with a tiny grad after a few steps; a stale read is off by
+# about lr = 1e-2 in every element it covers)
+TOL = dict(atol=1e-5, rtol=1e-5)
+HP = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-4)
+
+
+class _Net(torch.nn.Module):
+    """Layers of different sizes, a buffer (DDP broadcasts buffers at every forward), and a
+    layer only some iterations use."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(12, 32)
+        self.b = torch.nn.Linear(32, 48)
+        self.norm = torch.nn.LayerNorm(48)
+        self.c = torch.nn.Linear(48, 5)
+        self.side = torch.nn.Linear(48, 5)
+        self.register_buffer("shift", torch.zeros(5))
+
+    def forward(self, x, side=False):
+        h = self.norm(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        out = self.c(h) + self.shift
+        return out + self.side(h) if side else out
+
+
+def _groups(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _batch(rank, it):
+    g = torch.Generator().manual_seed(100 * it + rank)
+    return torch.randn(4 + rank, 12, generator=g)
+
+
+def _setup(rank, world, cfg):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer, hybrid_groups, param_gather
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    param_gather.FORM = cfg.get("form", "auto")  # (a fresh process per world)
+    # a read that did not wait would read the old values every time, not by chance
+    param_gather.WORKER_DELAY_S = 0.05
+    group = hybrid_groups(shard_size=2)[0] if cfg.get("hybrid") else None
+    kw = dict(bucket_cap_mb=0.002, find_unused_parameters=True)  # (`side`: some iterations)
+    ref, cand = DDP(_Net(), **kw), DDP(_Net(), **kw)
+    o_ref = torch.optim.AdamW(_groups(ref.module), **HP)
+    opt = ZeroRedundancyOptimizer(_groups(cand.module), torch.optim.AdamW, process_group=group,
+                                  sharding=cfg["sharding"], overlap_param_gather=True, **HP)
+    if cfg.get("hook"):
+        cand.register_comm_hook(opt, reduce_scatter_hook)
+    return (ref, o_ref), (cand, opt)
+
+
+def _train(rank, pair, it, side=False):
+    ddp, opt = pair
+    ddp(_batch(rank, it), side).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _close(model, ref, what):
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), **TOL,
+                                   msg=lambda m, name=name: f"{what}, {name}: {m}")
+
+
+# every path, after a step, reading through itself: returns what it read (for comparison)
+def _read_forward(rank, ref, cand, opt, tmp):
+    x = _batch(rank, 99)
+    with torch.no_grad():
+        return cand(x), ref(x)
+
+
+def _read_eval_forward(rank, ref, cand, opt, tmp):
+    cand.eval()
+    ref.eval()
+    try:
+        with torch.no_grad():
+            return cand.module(_batch(rank, 98)), ref.module(_batch(rank, 98))
+    finally:
+        cand.train()
+        ref.train()
+
+
+def _read_no_sync_forward(rank, ref, cand, opt, tmp):
+    with cand.no_sync(), ref.no_sync():
+        return cand(_batch(rank, 97)).detach(), ref(_batch(rank, 97)).detach()
+
+
+def _read_model_state_dict(rank, ref, cand, opt, tmp):
+    a, b = cand.module.state_dict(), ref.module.state_dict()
+    return [a[k] for k in sorted(a)], [b[k] for k in sorted(b)]
+
+
+def _write_model_state_dict(rank, ref, cand, opt, tmp):
+    """Weights loaded between step and forward stay loaded (the exchange does not land on
+    them afterwards): both load the reference's stepped weights scaled by 0.5."""
+    sd = {k: v * 0.5 for k, v in ref.module.state_dict().items()}
+    cand.module.load_state_dict(sd)
+    ref.module.load_state_dict(sd)
+    return _read_forward(rank, ref, cand, opt, tmp)
+
+
+def _read_opt_state_dict(rank, ref, cand, opt, tmp):
+    opt.state_dict()  # (collective: rank 0 gets the state)
+    return list(cand.parameters()), list(ref.parameters())
+
+
+def _read_consolidate(rank, ref, cand, opt, tmp):
+    opt.consolidate_state_dict(0)
+    return list(cand.parameters()), list(ref.parameters())
+
+
+def _read_checkpoint(rank, ref, cand, opt, tmp):
+    from zero_ext import checkpoint
+
+    checkpoint.save(opt, os.path.join(tmp, "ckpt"))
+    checkpoint.load(opt, os.path.join(tmp, "ckpt"))
+    return list(cand.parameters()), list(ref.parameters())
+
+
+def _read_load_state_dict(rank, ref, cand, opt, tmp):
+    opt.consolidate_state_dict(0)
+    opt.load_state_dict(opt.state_dict() if rank == 0 else None)
+    return list(cand.parameters()), list(ref.parameters())
+
+
+def _read_user_after_wait(rank, ref, cand, opt, tmp):
+    opt.wait_for_params()  # (an EMA over the params, a logged weight)
+    return [p.detach().clone() for p in cand.parameters()], list(ref.parameters())
+
+
+def _read_zero_grad_then_forward(rank, ref, cand, opt, tmp):
+    opt.zero_grad()  # does not wait: the forward after it does
+    return _read_forward(rank, ref, cand, opt, tmp)
+
+
+def _read_join(rank, ref, cand, opt, tmp):
+    from torch.distributed.algorithms.join import Join
+
+    with Join([opt]):
+        pass
+    return list(cand.parameters()), list(ref.parameters())
+
+
+# (in this order; Join last: its context leaves the joinables' join config enabled, and
+# the hook refuses Join)
+PATHS = {f.__name__[1:]: f for f in (
+    _read_forward, _read_eval_forward, _read_no_sync_forward, _read_model_state_dict,
+    _write_model_state_dict, _read_opt_state_dict, _read_consolidate, _read_checkpoint,
+    _read_load_state_dict, _read_user_after_wait, _read_zero_grad_then_forward, _read_join)}
+
+
+def _every_path(rank, world, cfg):
+    """Train a few iterations; after every step from the third (the order is agreed after
+    the first forward), read through one path and compare with the reference; a final
+    parity check of every param and a step that must follow from it."""
+    (ref, o_ref), (cand, opt) = _setup(rank, world, cfg)
+    tmp = cfg["tmp"]
+    names = [n for n in PATHS if not (cfg.get("hook") and n == "read_join")]
+    in_flight = 0
+    for it in range(len(names) + 2):
+        _train(rank, (ref, o_ref), it, side=it % 3 == 1)
+        _train(rank, (cand, opt), it, side=it % 3 == 1)
+        if it < 2:
+            continue
+        gather = opt._param_gather
+        in_flight += gather.queue is not None
+        name = names[it - 2]
+        got, want = PATHS[name](rank, ref, cand, opt, tmp)
+        for a, b in zip(got if isinstance(got, (list, tuple)) else [got],
+                        want if isinstance(want, (list, tuple)) else [want]):
+            torch.testing.assert_close(a.detach(), b.detach(), **TOL,
+                                       msg=lambda m, name=name: f"after {name}: {m}")
+    opt.wait_for_params()
+    _close(cand.module, ref.module, "at the end")
+    return {"in_flight": in_flight, "param_wait": "param_wait" in opt.last_step_timings,
+            "params": [p.detach().clone() for p in cand.parameters()]}
+
+
+def _same_everywhere(vals):
+    for r in range(1, len(vals)):
+        for a, b in zip(vals[0]["params"], vals[r]["params"]):
+            assert torch.equal(a, b), f"rank {r} differs from rank 0"
+
+
+@pytest.mark.parametrize("hook", [False, True])
+@pytest.mark.parametrize("sharding", ["param", "flat", "even"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_path_reads_the_stepped_params(world, sharding, hook):
+    if world == 3 and sharding == "param":
+        pytest.skip("world 3: flat and even (2 cores)")
+    with tempfile.TemporaryDirectory() as tmp:
+        vals = run_world(_every_path, world, dict(sharding=sharding, hook=hook, tmp=tmp))
+    _same_everywhere(vals)
+    for v in vals:  # (the exchange was left in flight after the steps: the option acts)
+        assert v["in_flight"] > 0 and v["param_wait"], v
+
+
+@pytest.mark.parametrize("form", ["auto", "nccl"])
+def test_hybrid_and_nccl_form(form):
+    """Hybrid 2 x 2 (the exchange over the shard group) with the hook; and NCCL's form forced
+    on gloo: every collective issued at the step, completed by the forward's thread."""
+    with tempfile.TemporaryDirectory() as tmp:
+        vals = run_world(_every_path, 4, dict(sharding="even", hook=True, hybrid=True, tmp=tmp,
+                                             form=form))
+    for v in vals:
+        assert v["in_flight"] > 0, v
+
+
+@pytest.mark.parametrize("sharding", ["flat", "even"])
+def test_nccl_form_on_gloo(sharding):
+    with tempfile.TemporaryDirectory() as tmp:
+        vals = run_world(_every_path, 2, dict(sharding=sharding, hook=False, form="nccl",
+                                             tmp=tmp))
+    _same_everywhere(vals)
+
+
+def _rank0_saves(rank, world, cfg):
+    """After every step rank 0 alone saves model.state_dict() (waiting for the exchange)
+    while the other ranks go on to the next forward, whose DDP first broadcasts buffers:
+    must neither hang nor save stale weights."""
+    (ref, o_ref), (cand, opt) = _setup(rank, world, cfg)
+    saved = None
+    for it in range(5):
+        _train(rank, (ref, o_ref), it)
+        _train(rank, (cand, opt), it)
+        if rank == 0:
+            saved = {k: v.clone() for k, v in cand.module.state_dict().items()}
+            want = ref.module.state_dict()
+            for k in want:
+                torch.testing.assert_close(saved[k], want[k], **TOL)
+    opt.wait_for_params()
+    _close(cand.module, ref.module, "at the end")
+    return True
+
+
+@pytest.mark.parametrize("sharding", ["flat", "even"])
+def test_rank0_saving_model_state_dict_after_step(sharding):
+    run_world(_rank0_saves, 3, dict(sharding=sharding, hook=True), timeout=240)
+
+
+def _bad_options(rank, world, kw):
+    from zero_ext import ZeroRedundancyOptimizer
+
+    return error_of(lambda: ZeroRedundancyOptimizer(
+        list(_Net().parameters()), torch.optim.AdamW, lr=1e-3, **kw))
+
+
+@pytest.mark.parametrize("kw,cls,match", [
+    (dict(overlap_param_gather=True, parameters_as_bucket_view=True, sharding="flat"),
+     "ValueError", "bucket"),
+    (dict(overlap_param_gather="yes"), "TypeError", "overlap_param_gather")])
+def test_bad_options_raise_on_every_rank(kw, cls, match):
+    for err in run_world(_bad_options, 2, kw):
+        assert err is not None and err[0] == cls and match in err[1], err

@@ -1,0 +1,267 @@
+"""The params' exchange after a step, left in flight until the next forward needs it
+(``ZeroRedundancyOptimizer(..., overlap_param_gather=True)``).
+
+Without it, ``step()`` returns once every owner's update has reached every rank. With it,
+the step issues the exchange's collectives in the order the next forward first uses the
+params and returns; each module's forward then waits only for the collectives carrying its
+own params (``module._parameters``), as Megatron's distributed optimizer does
+(``overlap_param_gather``). Where the model computes (a GPU), the exchange hides behind
+the next forward instead of adding to the step.
+
+- The order: the first forward after the first step records, per rank, the order in which
+  modules' params are first used; the next step agrees on rank 0's order (one object
+  broadcast, once) and plans the exchange by it from then on. Until then steps exchange as
+  without the option.
+- Transport: on NCCL every collective is issued at the step (a communicator runs its ops in
+  issue order, on its own stream) and a waiting forward's stream waits on the collective's
+  event, not the host. On gloo at most one collective per lane may be in flight (several
+  async ops on one gloo group can start in a different order on each rank), so a worker
+  thread issues them one after the other on two lanes of the optimizer's ranks made for
+  this only (a rank whose main thread waits in another collective, such as DDP's buffer
+  broadcast at the start of its forward, still completes the exchange that another rank
+  waits for: rank 0 saving ``model.state_dict()`` after the step, say).
+- Nothing stale is read through torch's or zero_ext's paths: a module's forward (train or
+  eval, under ``no_sync`` too) waits for its params, ``model.state_dict()`` and
+  ``model.load_state_dict()`` of a module that holds them wait (hooks registered on the
+  modules seen in the forward), and every method of the optimizer that reads or writes
+  params or state waits first (step, clip_grad_norm_, state_dict, load_state_dict,
+  consolidate_state_dict, add_param_group, checkpoint.save/load, Join), as do the DDP comm
+  hooks before their first collective. ``zero_grad()`` does not wait: it touches no param,
+  and it runs between step and forward in nearly every training loop.
+- What no hook can see, the script's own reads or writes of the params between step and
+  forward (an EMA over ``model.parameters()``, logging a weight, ``p.data.copy_(...)``,
+  ``copy.deepcopy(model)``), must call ``opt.wait_for_params()`` first, on every rank.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .sync import LaneQueue, backend_device
+
+# How the exchange left in flight travels: "auto" is NCCL's form on NCCL (every collective
+# issued at the step on the optimizer's group, waited for by the forward's stream) and a
+# worker thread on two lanes of its own elsewhere; "nccl" forces NCCL's form on gloo, with
+# one lane of its own per collective (one op in flight per gloo group), for tests
+# (ZERO_EXT_GATHER_FORM). Every rank must use the same.
+FORMS = ("auto", "nccl")
+FORM = os.environ.get("ZERO_EXT_GATHER_FORM", "auto")
+# Seconds the worker thread waits before each exchange it drives (tests: a read that did
+# not wait for the exchange then reads the old values, every time, not by chance)
+WORKER_DELAY_S = 0.0
+
+# ParamGathers with collectives in flight or an order being recorded, and the one global
+# forward pre-hook that serves them (installed only while some are)
+_ACTIVE: "weakref.WeakSet[ParamGather]" = weakref.WeakSet()
+_HOOK = None
+_HOOK_LOCK = threading.Lock()
+
+
+def _activate(gather: "ParamGather") -> None:
+    global _HOOK
+    with _HOOK_LOCK:
+        _ACTIVE.add(gather)
+        if _HOOK is None:
+            _HOOK = torch.nn.modules.module.register_module_forward_pre_hook(_before_forward)
+
+
+def _deactivate(gather: "ParamGather") -> None:
+    global _HOOK
+    with _HOOK_LOCK:
+        _ACTIVE.discard(gather)
+        if not _ACTIVE and _HOOK is not None:
+            _HOOK.remove()
+            _HOOK = None
+
+
+@torch._disable_dynamo
+def _before_forward(module: torch.nn.Module, args) -> None:
+    for gather in list(_ACTIVE):
+        gather.before_forward(module)
+
+
+class _Worker:
+    """One thread per process that drives the gloo exchanges left in flight, job after job
+    in the order the steps issued them (the same on every rank)."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.jobs: list = []
+        self.thread: threading.Thread | None = None
+
+    def submit(self, queue: LaneQueue) -> None:
+        with self.cond:
+            self.jobs.append(queue)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="zero_ext-param-gather",
+                                               daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.jobs:
+                    self.cond.wait()
+                queue = self.jobs[0]
+            if WORKER_DELAY_S:
+                time.sleep(WORKER_DELAY_S)
+            queue.run_to_end()  # (its own errors are kept for the waiting thread)
+            with self.cond:
+                self.jobs.pop(0)
+
+
+_WORKER = _Worker()
+
+
+class ParamGather:
+    """One optimizer's exchange in flight, and the order it is issued in."""
+
+    def __init__(self, zero):
+        self._zero = weakref.ref(zero)
+        self.queue: LaneQueue | None = None
+        self.threaded = False         # the worker thread drives `queue` (gloo)
+        self.last_item: dict[int, int] = {}  # id(param) -> the last item carrying it
+        self.order_end = -1           # the item of the last param the forward uses
+        self.positions: dict[int, int] | None = None  # param index -> first use (agreed)
+        self.recorded: list | None = None  # id(param) in first-use order, while recording
+        self._seen: set = set()
+        self.ids: set = set()         # id of every param of the optimizer
+        self.modules: "weakref.WeakSet" = weakref.WeakSet()  # hooks registered on them
+        self.lanes: list | None = None  # gloo: the exchange's own groups
+        self.waited = 0.0             # seconds this rank blocked for the last step's gathers
+
+    # ------------------------------------------------------------------ the order
+    @property
+    def ready(self) -> bool:
+        """The order is agreed: the exchange can be left in flight (alike on every rank)."""
+        return self.positions is not None
+
+    def begin_recording(self) -> None:
+        if self.positions is None and self.recorded is None:
+            self.recorded, self._seen = [], set()
+            self.ids = {id(p) for p in self._zero().hook_seam.params}
+            _activate(self)
+
+    def agree_order(self) -> None:
+        """(Collective, at a step, alike on every rank: recording began at the same step
+        everywhere.) Rank 0's recorded order, as param indices, becomes every rank's."""
+        if self.positions is not None or self.recorded is None:
+            return
+        zero = self._zero()
+        index = zero.hook_seam.param_index()
+        mine = [index[i] for i in self.recorded if i in index]
+        self.recorded = None
+        if self.queue is None:
+            _deactivate(self)
+        group = zero.process_group
+        if zero.world_size > 1:
+            box = [mine if zero.rank == 0 else None]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group or
+                                                                     dist.group.WORLD, 0),
+                                       group=group, device=backend_device(group))
+            mine = box[0]
+        self.positions = {pid: k for k, pid in enumerate(mine)}
+
+    def transport(self, exchanger, items: int) -> tuple[list, bool]:
+        """(the groups the exchange travels on, whether at most one op per group may be in
+        flight). On gloo they are groups of the optimizer's ranks made for it only (made at
+        the first such step: collective over those ranks), so that nothing else ever issues
+        on them, the main thread's collectives included; on NCCL the optimizer's own group
+        (a communicator runs its ops in issue order)."""
+        if FORM not in FORMS:
+            raise ValueError(f"ZERO_EXT_GATHER_FORM must be one of {FORMS}, got {FORM!r}")
+        if exchanger.backend != "gloo":
+            return [exchanger.group], False
+        want = items if FORM == "nccl" else 2
+        if self.lanes is None:
+            self.lanes = []
+        while len(self.lanes) < want:
+            self.lanes.append(dist.new_group(exchanger.global_ranks, backend="gloo",
+                                             use_local_synchronization=True))
+        return self.lanes[:max(1, want)], FORM != "nccl"
+
+    # ------------------------------------------------------------------ in flight
+    def start(self, queue: LaneQueue, params_of_items: list) -> None:
+        """The step's exchange, issued (NCCL) or handed to the worker thread (gloo)."""
+        zero = self._zero()
+        self.queue, self.waited = queue, 0.0
+        if queue.size == 0:  # (nothing to exchange: no param stepped)
+            self._finished()
+            return
+        self.ids = {id(p) for p in zero.hook_seam.params}
+        params = zero.hook_seam.params
+        self.last_item = {}
+        for k, pids in enumerate(params_of_items):
+            for pid in pids:
+                self.last_item[id(params[pid])] = k
+        used = [self.last_item[id(params[pid])] for pid in self.positions
+                if pid < len(params) and id(params[pid]) in self.last_item]
+        self.order_end = max(used) if used else len(params_of_items) - 1
+        self.threaded = queue.bounded
+        if self.threaded:
+            _WORKER.submit(queue)
+        else:
+            queue.pump()
+        _activate(self)
+
+    def before_forward(self, module: torch.nn.Module) -> None:
+        params = [p for p in module._parameters.values() if p is not None]
+        if self.recorded is not None:
+            for p in params:
+                if id(p) in self.ids and id(p) not in self._seen:
+                    self._seen.add(id(p))
+                    self.recorded.append(id(p))
+        if not any(id(p) in self.ids for p in params):
+            return
+        self._hook_module(module)
+        if self.queue is None:
+            return
+        need = max((self.last_item.get(id(p), -1) for p in params), default=-1)
+        if need >= 0:
+            # past its last param in the recorded order, the forward completes the rest
+            # too (params it does not use): no rank's exchange outlives its forward
+            self._wait_through(self.queue.size - 1 if need >= self.order_end else need)
+
+    def _hook_module(self, module: torch.nn.Module) -> None:
+        if module in self.modules:
+            return
+        self.modules.add(module)
+        me = weakref.ref(self)
+
+        def wait(*args, **kwargs):
+            gather = me()
+            if gather is not None:
+                gather.wait_all()
+
+        module.register_state_dict_pre_hook(wait)
+        module.register_load_state_dict_pre_hook(wait)
+
+    def _wait_through(self, k: int) -> None:
+        queue = self.queue
+        t = time.perf_counter()
+        if self.threaded:
+            queue.wait_finished(k)
+        else:
+            queue.complete_through(k)
+        self.waited += time.perf_counter() - t
+        if queue.done:
+            self._finished()
+
+    def wait_all(self) -> None:
+        """Every collective of the last step's exchange completed into the params."""
+        if self.queue is not None:
+            self._wait_through(self.queue.size - 1)
+
+    def _finished(self) -> None:
+        zero = self._zero()
+        if zero is not None:
+            zero.last_step_timings["param_wait"] = self.waited
+        self.queue = None
+        if self.recorded is None:
+            _deactivate(self)

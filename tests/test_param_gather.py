@@ -285,3 +285,51 @@ def _bad_options(rank, world, kw):
 def test_bad_options_raise_on_every_rank(kw, cls, match):
     for err in run_world(_bad_options, 2, kw):
         assert err is not None and err[0] == cls and match in err[1], err
+
+
+class _ReadsChildWeight(torch.nn.Module):
+    """A layer applied as `F.linear(x, self.pre.weight, self.pre.bias)` in the parent's own
+    forward, before any module is called: no module whose forward runs holds pre's params
+    directly (as some GPT code applies a tied embedding or head)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = torch.nn.Linear(12, 12)
+        self.emb = torch.nn.Linear(12, 24)
+        self.mid = torch.nn.Linear(24, 24)
+
+    def forward(self, x):
+        x = torch.tanh(torch.nn.functional.linear(x, self.pre.weight, self.pre.bias))
+        return torch.tanh(self.mid(torch.tanh(self.emb(x))))
+
+
+def _child_weight(rank, world, sharding):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer, param_gather
+
+    param_gather.WORKER_DELAY_S = 0.05
+    ref, cand = DDP(_ReadsChildWeight()), DDP(_ReadsChildWeight())
+    o_ref = torch.optim.AdamW(ref.parameters(), **HP)
+    opt = ZeroRedundancyOptimizer(cand.parameters(), torch.optim.AdamW, sharding=sharding,
+                                  overlap_param_gather=True, **HP)
+    outs = []
+    for it in range(5):
+        x = _batch(rank, it)
+        for ddp, o in ((ref, o_ref), (cand, opt)):
+            out = ddp(x)
+            out.square().mean().backward()
+            o.step()
+            o.zero_grad()
+            outs.append(out.detach())
+        torch.testing.assert_close(outs[-1], outs[-2], **TOL,
+                                   msg=lambda m, it=it: f"iteration {it}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("sharding", ["flat", "even"])
+def test_a_param_read_outside_its_module(sharding):
+    """The parent's forward reads a child's weight without calling the child: the forward's
+    first module waits for it (it held a grad, and no module hook claimed it)."""
+    run_world(_child_weight, 2, sharding)

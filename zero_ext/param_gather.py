@@ -129,6 +129,8 @@ class ParamGather:
         self.last_item: dict[int, int] = {}  # id(param) -> the last item carrying it
         self.order_end = -1           # the item of the last param the forward uses
         self.positions: dict[int, int] | None = None  # param index -> first use (agreed)
+        self.unclaimed: set = set()   # params the forward reads outside module hooks
+        self.first_end = -1           # the last item carrying such params
         self.recorded: list | None = None  # id(param) in first-use order, while recording
         self._seen: set = set()
         self.ids: set = set()         # id of every param of the optimizer
@@ -150,12 +152,20 @@ class ParamGather:
 
     def agree_order(self) -> None:
         """(Collective, at a step, alike on every rank: recording began at the same step
-        everywhere.) Rank 0's recorded order, as param indices, becomes every rank's."""
+        everywhere.) Rank 0's recorded order, as param indices, becomes every rank's.
+
+        Params that hold a grad now but no module called in the forward holds directly
+        (read by a parent's own forward, `x @ self.child.weight`, or by functional code)
+        come first, and the forward's first module waits for them: no module hook would."""
         if self.positions is not None or self.recorded is None:
             return
         zero = self._zero()
         index = zero.hook_seam.param_index()
-        mine = [index[i] for i in self.recorded if i in index]
+        claimed = [index[i] for i in self.recorded if i in index]
+        seen = set(claimed)
+        unclaimed = [pid for pid, p in enumerate(zero.hook_seam.params)
+                     if p.grad is not None and pid not in seen]
+        mine = (unclaimed, claimed)
         self.recorded = None
         if self.queue is None:
             _deactivate(self)
@@ -166,7 +176,9 @@ class ParamGather:
                                                                      dist.group.WORLD, 0),
                                        group=group, device=backend_device(group))
             mine = box[0]
-        self.positions = {pid: k for k, pid in enumerate(mine)}
+        unclaimed, claimed = mine
+        self.unclaimed = set(unclaimed)
+        self.positions = {pid: k for k, pid in enumerate(unclaimed + claimed)}
 
     def transport(self, exchanger, items: int) -> tuple[list, bool]:
         """(the groups the exchange travels on, whether at most one op per group may be in
@@ -203,6 +215,8 @@ class ParamGather:
         used = [self.last_item[id(params[pid])] for pid in self.positions
                 if pid < len(params) and id(params[pid]) in self.last_item]
         self.order_end = max(used) if used else len(params_of_items) - 1
+        self.first_end = max((k for k, pids in enumerate(params_of_items)
+                              if self.unclaimed.intersection(pids)), default=-1)
         self.threaded = queue.bounded
         if self.threaded:
             _WORKER.submit(queue)
@@ -217,6 +231,10 @@ class ParamGather:
                 if id(p) in self.ids and id(p) not in self._seen:
                     self._seen.add(id(p))
                     self.recorded.append(id(p))
+        queue = self.queue
+        if queue is not None and queue.finished <= self.first_end:
+            # the forward's first module, whichever: params it reads outside module hooks
+            self._wait_through(self.first_end)
         if not any(id(p) in self.ids for p in params):
             return
         self._hook_module(module)

@@ -258,7 +258,7 @@ class WireCounter:
 # lasts as long as its busiest link, so the critical path of an iteration is the sum over
 # its collectives, in issue order, of the busiest rank's max(sent, received).
 TRACED_COLLECTIVES = WIRE_COLLECTIVES + (
-    "all_gather_single", "reduce_scatter_single", "reduce_scatter", "all_to_all", "gather",
+    "reduce_scatter", "all_to_all", "gather",
     "scatter", "batch_isend_irecv", "send_object_list", "recv_object_list",
     "scatter_object_list")
 P2P_NAMES = ("send", "isend", "recv", "irecv", "batch_isend_irecv", "send_object_list",

@@ -63,6 +63,8 @@ class _Spy:
         real = self.real[name]
 
         def call(out, inp, *args, **kw):
+            if inp.dtype in (torch.int64, torch.float64):  # (an agreement: not counted)
+                return real(out, inp, *args, **kw)
             lo, size = inp.data_ptr(), inp.numel() * inp.element_size()
             aliased = lo <= out.data_ptr() < lo + size or out.data_ptr() <= lo < (
                 out.data_ptr() + out.numel() * out.element_size())

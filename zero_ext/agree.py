@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import digest, first_difference
-from .sync import backend_device
+from .sync import backend_device, small_all_reduce
 
 logger = logging.getLogger("zero_ext")
 
@@ -40,7 +40,7 @@ def agree(group, world_size: int, error: BaseException | None, what: str,
     group = group if group is not None else dist.group.WORLD
     vals = torch.tensor([0 if error is None else 1, *flags], dtype=torch.int64,
                         device=backend_device(group))
-    dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
+    small_all_reduce(vals, dist.ReduceOp.MAX, group)
     vals = vals.tolist()
     if vals[0]:
         # Slow path, failures only: learn who failed and why.

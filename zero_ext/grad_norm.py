@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .sync import backend_device
+from .sync import backend_device, small_all_reduce
 
 
 # bf16/fp16 grads are upcast in chunks of this many elements (4 MB of float32 at a time):
@@ -106,7 +106,7 @@ def total_norm(term: float, count: int, norm_type: float, group, world_size: int
         vec[rank] = 0.0 if failed else term
         vec[world_size + rank] = 0 if failed else count
         vec[2 * world_size] = float(failed)
-        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
+        small_all_reduce(vec, dist.ReduceOp.SUM, group)
         vals = vec.tolist()
         terms, counts = vals[:world_size], vals[world_size:2 * world_size]
         failed = vals[-1] > 0

@@ -51,6 +51,9 @@ from .sync import LaneQueue, backend_device
 # (ZERO_EXT_GATHER_FORM). Every rank must use the same.
 FORMS = ("auto", "nccl")
 FORM = os.environ.get("ZERO_EXT_GATHER_FORM", "auto")
+# Groups the worker thread's exchange travels on, one collective in flight on each (behind
+# netlab's links, world 4: one group waited 41 ms for the forward's first module, two 19)
+GATHER_LANES = 2
 # Seconds the worker thread waits before each exchange it drives (tests: a read that did
 # not wait for the exchange then reads the old values, every time, not by chance)
 WORKER_DELAY_S = 0.0
@@ -190,7 +193,7 @@ class ParamGather:
             raise ValueError(f"ZERO_EXT_GATHER_FORM must be one of {FORMS}, got {FORM!r}")
         if exchanger.backend != "gloo":
             return [exchanger.group], False
-        want = items if FORM == "nccl" else 2
+        want = items if FORM == "nccl" else GATHER_LANES
         if self.lanes is None:
             self.lanes = []
         while len(self.lanes) < want:

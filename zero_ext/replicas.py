@@ -17,8 +17,16 @@ import time
 import torch
 
 from . import kernels, layout
-from .sync import (Exchanger, Gather, bucket_gathers, exchange_gathers, exchange_pieces,
-                   plan_gathers, plan_messages, uses_gathers)
+from .sync import (STAGING_BYTES, Exchanger, Gather, bucket_gathers, exchange_gathers,
+                   exchange_pieces, plan_gathers, plan_messages, uses_gathers)
+
+# The exchange left in flight (overlap_param_gather) packs small pieces up to this many
+# bytes per collective instead of STAGING_BYTES: the forward's first module waits for the
+# first collective, so it should be small; more collectives cost their fixed latency.
+# Behind netlab's links (world 4, 8 x Linear(512), forward 16 ms per layer): 4 MB, the
+# first module waited 97-106 ms; 2 MB (a layer's weight and bias together, two such in
+# flight sharing the links) 34 ms; 1 MB (each weight alone at the links' full rate) 19 ms.
+DEFERRED_PACK_BYTES = 1 << 20
 
 
 class OverlappedSends:
@@ -253,13 +261,18 @@ class Replicas:
                 last = len(order)
                 buckets = sorted(buckets, key=lambda b: min(
                     order.get(pid, last + pid) for pid in b.param_ids))
+            # (left in flight, smaller collectives: the forward's first module waits
+            # only for the first one)
+            pack = STAGING_BYTES if order is None else DEFERRED_PACK_BYTES
             if plan.sharding != layout.EVEN:
-                self._messages[key] = plan_messages(buckets, plan.world_size, active)
+                self._messages[key] = plan_messages(buckets, plan.world_size, active,
+                                                    pack_bytes=pack)
             elif uses_gathers(self.ex):  # every link does equal work (see sync.py)
-                self._messages[key] = plan_gathers(buckets, plan.world_size, active)
+                self._messages[key] = plan_gathers(buckets, plan.world_size, active,
+                                                   pack_bytes=pack)
             else:  # (gloo at world 2: one broadcast per owner on each of two lanes)
                 self._messages[key] = plan_messages(buckets, plan.world_size, active,
-                                                    across_buckets=True)
+                                                    across_buckets=True, pack_bytes=pack)
         messages = self._messages[key]
         gathers = bool(messages) and isinstance(messages[0], Gather)
         exchange = exchange_gathers if gathers else exchange_pieces

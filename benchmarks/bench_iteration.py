@@ -36,6 +36,13 @@ defaults but bucket_cap_mb, AdamW lr 6e-4, betas (0.9, 0.95), nanoGPT's two grou
                  clip_grad_norm_ over the DTensor grads (one scalar all-reduce)
   fsdp2_reshard  fsdp2 with reshard_after_forward=True (ZeRO-3-like: the params gathered
                  again in backward)
+  zero_ext_overlap_gather  on request (--modes): zero_ext (DDP's all-reduce) built with
+                 overlap_param_gather=True: step() returns with the params' all-gathers in
+                 flight and each module's forward waits for its own params
+  zero_ext_rs_overlap  on request (--modes): zero_ext_rs (the reduce-scatter hook) with
+                 overlap_param_gather=True
+                 (both: skipped with a note where this zero_ext has no such option, i.e. its
+                 constructor raises TypeError)
 The zero_ext modes run once per --sharding ("flat,even" by default; any of param, flat,
 even; a sharding this zero_ext lacks is left out with a note). "even" has no bucket views
 (zero_ext refuses parameters_as_bucket_view=True there): a mode that zero_ext refuses with
@@ -50,16 +57,42 @@ for every model; torch's 25 otherwise); "gpt2", GPT-2 small's shapes (benchmarks
 4, 67.7M params; 12 is the full 124M, which needs --sequential to fit 24 GB at world 2),
 --gpt-batch x --gpt-seq random tokens, cross-entropy.
 
+Compute stand-in (--compute-ms C, default 0: off): on CPU the layers' own math is tiny next
+to a link's time, unlike on a GPU, where backward's compute is what DDP's buckets overlap
+with. With C > 0 every layer (mlp, mlp512: every Linear; gpt2: every block) ends in a
+parameterless module whose forward sleeps C ms and whose backward sleeps 2C ms (an
+autograd.Function passing the tensor / the grad through): time.sleep releases the GIL and
+leaves the host free, as GPU kernels do, so gloo's threads and DDP's hooks progress
+meanwhile. It is part of the model, so inside DDP (and inside each FSDP2 unit, which is the
+Linear / block it ends): every mode pays the same 8C ms forward + 16C ms backward on the
+MLPs. The byte counting below runs without it (bytes do not depend on it).
+
 Timing: all modes alive in the same processes; each round runs one iteration of every mode,
 in an order rotated every round, after a barrier, so noise from other work hits all modes
 alike (--sequential: one mode after the other, less memory). Per iteration the slowest
 rank's time counts; the table gives the median over --iters. "x baseline" is the ratio to
 ddp's median in the same run. Where the time goes (median of the slowest rank per phase):
 forward, backward (for zero_ext_overlap it holds the step and the exchange), clip + step,
-and the exchange of the updated params inside it (torch_zero: its _sync_params;
-zero_ext/zero_ext_rs: opt.last_step_timings["comm"], which on gloo with bucket views also
+the exchange of the updated params inside it (torch_zero: its _sync_params;
+zero_ext modes: opt.last_step_timings["comm"], which on gloo with bucket views also
 holds the sends overlapped with the local step; zero_ext_overlap: the exchange after the
-last bucket).
+last bucket), and "param wait": the time the forward spent waiting for the previous step's
+params exchange (part of forward): opt.last_step_timings.get("param_wait", 0.0) read after
+the forward, for the modes built with overlap_param_gather=True; 0 for every other mode,
+whose step finishes its exchange (FSDP2's all-gathers are its forward's own, not a previous
+step's: in forward, not here). A per-rank table gives each rank's own medians of these
+phases (rank x mode).
+
+Chains (--chain N): a mode whose step leaves the params' gathers in flight can only show
+the overlap when its next iteration follows at once, so each mode's turn in a round is N
+back-to-back iterations, a barrier before the first only; the first (which starts with
+nothing in flight) is untimed when N > 1, the others timed. N is 1 (as above: every
+iteration after a barrier) unless an overlap_param_gather mode is requested (then 2, for
+every mode alike, so that all take the same steps); --chain sets it. At the end of its turn
+(untimed) such a mode waits for its last step's gathers (opt.wait_for_params(); without it,
+one forward without grad), so that none is in flight during another mode's turn (they may
+run on process groups of their own, which the barrier does not wait for) or when the final
+params are read.
 
 "max abs diff vs ddp": the largest param difference to ddp's after the same iterations
 (torch_zero, zero_ext, zero_ext_rs take the same steps on the same batches), a sanity check,
@@ -137,9 +170,14 @@ from common import CheckedCollectiveTrace, CollectiveTrace, critical_path, print
 
 MODES = ("ddp", "torch_zero", "zero_ext", "zero_ext_rs", "zero_ext_overlap")  # the default
 FSDP2_MODES = ("fsdp2", "fsdp2_reshard")  # on request (--modes): torch's fully_shard
-ALL_MODES = MODES + FSDP2_MODES
-ZERO_EXT_MODES = ("zero_ext", "zero_ext_rs", "zero_ext_overlap")
-BUILTIN_ALLREDUCE = ("ddp", "torch_zero", "zero_ext")  # DDP's C++ all-reduce when timed
+# on request (--modes): ZeroRedundancyOptimizer(..., overlap_param_gather=True), where it exists
+GATHER_OVERLAP_MODES = ("zero_ext_overlap_gather", "zero_ext_rs_overlap")
+ALL_MODES = MODES + FSDP2_MODES + GATHER_OVERLAP_MODES
+ZERO_EXT_MODES = ("zero_ext", "zero_ext_rs", "zero_ext_overlap") + GATHER_OVERLAP_MODES
+RS_HOOK_MODES = ("zero_ext_rs", "zero_ext_rs_overlap")  # DDP + reduce_scatter_hook
+# DDP's C++ all-reduce when timed
+BUILTIN_ALLREDUCE = ("ddp", "torch_zero", "zero_ext", "zero_ext_overlap_gather")
+PHASES = ("forward", "backward", "step", "param_wait", "total")  # the per-rank table's
 OVERLAP_WARMUP = 2  # torch's: DDP finalises its buckets, no update
 MAX_NORM = 1.0
 TABLE_HEADERS = ["mode", "ms/iter (median)", "x baseline", "MB sent/rank", "x DDP bytes"]
@@ -152,6 +190,11 @@ MODEL_NAMES = ("mlp", "mlp512", "gpt2")
 DEFAULT_BUCKET_CAP_MB = {"mlp512": 1.0}  # 8 DDP buckets: one Linear(512) each; else torch's 25
 
 
+def mode_of(label: str) -> str:
+    """The mode of a table label ("zero_ext_rs (even)" -> "zero_ext_rs")."""
+    return label.split(" (")[0]
+
+
 def available_shardings() -> tuple:
     """The sharding modes this zero_ext accepts (e.g. no "even" before it exists)."""
     try:
@@ -162,6 +205,49 @@ def available_shardings() -> tuple:
 
 
 # ----------------------------------------------------------------------------- models
+class _ComputeFn(torch.autograd.Function):
+    """The identity, with a GPU kernel's wall time: forward sleeps `seconds`, backward
+    2 x `seconds` (time.sleep releases the GIL: the host is free meanwhile)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds: float):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        # a new tensor, as a kernel's output (a view of the input would make FSDP2 warn)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class Compute(torch.nn.Module):
+    """A layer's compute stand-in (--compute-ms): no parameters; the identity when ms is 0."""
+
+    def __init__(self, ms: float = 0.0):
+        super().__init__()
+        self.ms = float(ms)
+
+    def forward(self, x):
+        return _ComputeFn.apply(x, self.ms / 1e3) if self.ms > 0 else x
+
+    def extra_repr(self) -> str:
+        return f"forward {self.ms:g} ms, backward {2 * self.ms:g} ms"
+
+
+class Linear(torch.nn.Linear):
+    """torch's Linear ending in its Compute stand-in (the same params, names and init; the
+    stand-in inside the module, so inside its FSDP2 unit)."""
+
+    def __init__(self, n_in: int, n_out: int, compute_ms: float = 0.0):
+        super().__init__(n_in, n_out)
+        self.compute = Compute(compute_ms)
+
+    def forward(self, x):
+        return self.compute(super().forward(x))
+
+
 class Conv1D(torch.nn.Module):
     """HF GPT-2's linear layer: weight stored (in, out), so the shapes are GPT-2's own."""
 
@@ -176,9 +262,10 @@ class Conv1D(torch.nn.Module):
 
 
 class Block(torch.nn.Module):
-    def __init__(self, d: int, heads: int):
+    def __init__(self, d: int, heads: int, compute_ms: float = 0.0):
         super().__init__()
         self.heads = heads
+        self.compute = Compute(compute_ms)  # the block's compute stand-in (no params)
         self.ln_1 = torch.nn.LayerNorm(d)
         self.attn = torch.nn.Module()
         self.attn.c_attn, self.attn.c_proj = Conv1D(d, 3 * d), Conv1D(d, d)
@@ -192,19 +279,20 @@ class Block(torch.nn.Module):
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.attn.c_proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
+        return self.compute(x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)))))
 
 
 class GPT(torch.nn.Module):
     """GPT-2's parameters in HF's order and shapes (tied LM head), at `layers` depth."""
 
-    def __init__(self, d: int, layers: int, vocab: int, context: int):
+    def __init__(self, d: int, layers: int, vocab: int, context: int, compute_ms: float = 0.0):
         super().__init__()
         self.wte = torch.nn.Embedding(vocab, d)
         self.wpe = torch.nn.Embedding(context, d)
         torch.nn.init.normal_(self.wte.weight, std=0.02)
         torch.nn.init.normal_(self.wpe.weight, std=0.01)
-        self.h = torch.nn.ModuleList(Block(d, max(1, d // 64)) for _ in range(layers))
+        self.h = torch.nn.ModuleList(Block(d, max(1, d // 64), compute_ms)
+                                     for _ in range(layers))
         self.ln_f = torch.nn.LayerNorm(d)
 
     def forward(self, batch):
@@ -217,9 +305,10 @@ class GPT(torch.nn.Module):
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, width: int, depth: int):
+    def __init__(self, width: int, depth: int, compute_ms: float = 0.0):
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.layers = torch.nn.ModuleList(Linear(width, width, compute_ms)
+                                          for _ in range(depth))
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
@@ -228,27 +317,36 @@ class MLP(torch.nn.Module):
 
 
 def model_spec(name: str, opts: dict) -> dict:
-    """What the workers build: sizes of `name` (quick: tiny)."""
+    """What the workers build: sizes of `name` (quick: tiny), and the compute stand-in's
+    forward ms per layer (backward: twice that)."""
+    compute = {"compute_ms": float(opts.get("compute_ms", 0.0))}
     if name == "mlp":
         width, depth, batch = (256, 8, 4) if opts["quick"] else (2048, 8, 16)
-        return {"name": name, "width": width, "depth": depth, "batch": batch}
+        return {"name": name, "width": width, "depth": depth, "batch": batch, **compute}
     if name == "mlp512":  # issue 24's cluster model: 2.1M params, 8 DDP buckets at 1 MB
-        return {"name": name, "width": 512, "depth": 8, "batch": 16}
+        return {"name": name, "width": 512, "depth": 8, "batch": 16, **compute}
     if name == "gpt2":
         d, _ = model_shapes.GPT2["small"]
         width_div, layers = (16, 2) if opts["quick"] else (1, opts["gpt_layers"])
         return {"name": name, "d": d // width_div, "layers": layers,
                 "vocab": model_shapes.VOCAB if not opts["quick"] else 4096,
                 "context": model_shapes.CONTEXT, "batch": opts["gpt_batch"],
-                "seq": 16 if opts["quick"] else opts["gpt_seq"], "width_div": width_div}
+                "seq": 16 if opts["quick"] else opts["gpt_seq"], "width_div": width_div,
+                **compute}
     raise ValueError(f"unknown model {name!r}: mlp or gpt2")
+
+
+def compute_layers(spec: dict) -> int:
+    """How many compute stand-ins the model has: its Linears (MLPs) or blocks (GPT)."""
+    return spec["depth"] if spec["name"] in ("mlp", "mlp512") else spec["layers"]
 
 
 def build_model(spec: dict) -> torch.nn.Module:
     torch.manual_seed(0)  # every mode and every rank: the same weights
+    compute_ms = spec.get("compute_ms", 0.0)
     if spec["name"] in ("mlp", "mlp512"):
-        return MLP(spec["width"], spec["depth"])
-    model = GPT(spec["d"], spec["layers"], spec["vocab"], spec["context"])
+        return MLP(spec["width"], spec["depth"], compute_ms)
+    model = GPT(spec["d"], spec["layers"], spec["vocab"], spec["context"], compute_ms)
     if spec["vocab"] == model_shapes.VOCAB:  # the shapes are GPT-2 small's, layer for layer
         want = model_shapes.gpt2_shapes("small", spec["width_div"])
         want = [s for n, s in want if not n.startswith("h.") or int(n.split(".")[1])
@@ -310,6 +408,7 @@ class Runner:
         from zero_ext.ddp_zero_hook import hook_with_zero_step, reduce_scatter_hook
 
         self.mode, self.sharding = mode, sharding
+        self.overlap_gather = mode in GATHER_OVERLAP_MODES
         self.ddp = DDP(build_model(spec), bucket_cap_mb=bucket_cap_mb)
         self.bucket_view = mode in ZERO_EXT_MODES
         groups = param_groups(self.ddp.module)
@@ -322,10 +421,14 @@ class Runner:
                                  fused=True, **hp)
             self.opt._sync_params = self._timed(self.opt._sync_params)
         else:
+            # (a zero_ext without the option: TypeError, and build_runner skips the mode)
+            gather = {"overlap_param_gather": True} if self.overlap_gather else {}
+
             def build(view: bool):
                 return ZeroRedundancyOptimizer(
                     groups, torch.optim.AdamW, parameters_as_bucket_view=view,
-                    sharding=sharding, overlap_with_ddp=mode == "zero_ext_overlap", **hp)
+                    sharding=sharding, overlap_with_ddp=mode == "zero_ext_overlap",
+                    **gather, **hp)
             try:
                 self.opt = build(True)
             except ValueError as exc:  # a mode without bucket views ("even": in the params)
@@ -333,7 +436,7 @@ class Runner:
                     raise
                 self.bucket_view = False
                 self.opt = build(False)
-        if mode == "zero_ext_rs":
+        if mode in RS_HOOK_MODES:
             self.ddp.register_comm_hook(self.opt, reduce_scatter_hook)
         elif mode == "zero_ext_overlap":
             replicas = self.opt._replicas
@@ -351,6 +454,7 @@ class Runner:
         from torch.distributed.fsdp import fully_shard
 
         self.mode, self.sharding = mode, "-"
+        self.overlap_gather = False
         self.exchange_s = 0.0
         self.bucket_view = False
         model = build_model(spec)
@@ -385,6 +489,10 @@ class Runner:
         t0 = time.perf_counter()
         loss = self.ddp(batch)
         t1 = time.perf_counter()
+        # the forward's wait for the previous step's params (in flight only with
+        # overlap_param_gather; a missing key: none)
+        param_wait = (float(self.opt.last_step_timings.get("param_wait", 0.0))
+                      if self.overlap_gather else 0.0)
         phase("backward")
         loss.backward()
         t2 = time.perf_counter()
@@ -396,14 +504,29 @@ class Runner:
                 self.opt.clip_grad_norm_(MAX_NORM)
             phase("step")
             self.opt.step()
-            if self.mode in ("zero_ext", "zero_ext_rs"):
+            if self.mode in ZERO_EXT_MODES:
                 self.exchange_s = self.opt.last_step_timings.get("comm", 0.0)
         phase("step")
         self.opt.zero_grad(set_to_none=True)
         phase("")
         t3 = time.perf_counter()
         return {"total": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2,
-                "exchange": self.exchange_s}
+                "exchange": self.exchange_s, "param_wait": param_wait}
+
+    def settle(self, batch) -> None:
+        """Let the last step's params arrive (untimed): with overlap_param_gather its
+        gathers may be in flight, possibly on process groups of their own, which the next
+        turn's barrier does not wait for: opt.wait_for_params() (or, in a zero_ext without
+        it, one forward without grad: each module's forward waits for its params). Every
+        other mode's step finished its exchange."""
+        if not self.overlap_gather:
+            return
+        wait = getattr(self.opt, "wait_for_params", None)
+        if callable(wait):
+            wait()
+            return
+        with torch.no_grad():
+            self.ddp(batch)
 
     def warmup_iterations(self, extra: int) -> int:
         return extra + (OVERLAP_WARMUP if self.mode == "zero_ext_overlap" else 0)
@@ -432,17 +555,47 @@ def build_runner(mode: str, sharding: str, spec: dict, opts: dict,
                       bucket_cap_mb=opts["bucket_cap_mb"][spec["name"]])
     except (ValueError, TypeError, NotImplementedError) as exc:
         if dist.get_rank() == 0:
-            print(f"# skipped {mode} ({sharding}): {type(exc).__name__}: {exc}", flush=True)
+            why = ("this zero_ext has no overlap_param_gather; "
+                   if mode in GATHER_OVERLAP_MODES and isinstance(exc, TypeError)
+                   and "overlap_param_gather" in str(exc) else "")
+            print(f"# skipped {mode} ({sharding}): {why}{type(exc).__name__}: {exc}",
+                  flush=True)
         return None
 
 
+def chain_length(opts: dict) -> int:
+    """Iterations per mode per round (--chain; 0: 2 when an overlap_param_gather mode is
+    requested, so that its next forward meets its step's gathers in flight, else 1)."""
+    if opts.get("chain"):
+        return opts["chain"]
+    return 2 if any(m in GATHER_OVERLAP_MODES for m in opts["modes"]) else 1
+
+
 def time_modes(cases, spec, batches, opts) -> dict:
-    """{label: {"phases": [per-iteration dict], "final": params}} after warm-up + iters."""
-    def run_one(r: Runner, k: int, timed: bool, record: dict) -> None:
+    """{label: {"phases": [per-iteration dict], "final": params}} after warm-up + iters.
+
+    Each mode's turn in a round is a chain of back-to-back iterations after one barrier
+    (chain_length: 1 unless an overlap_param_gather mode is requested); with chains of
+    N > 1 the first of each is untimed (nothing in flight at its start), the rest timed."""
+    chain = chain_length(opts)
+    per_round = max(1, chain - 1)  # timed iterations per chain
+    timed_rounds = -(-opts["iters"] // per_round)
+    steps: dict = {}
+
+    def warm_rounds(r: Runner) -> int:  # at least the mode's warm-up iterations
+        return -(-r.warmup_iterations(opts["warmup"]) // chain)
+
+    def run_chain(r: Runner, timed: bool, record: dict) -> None:
         dist.barrier()
-        ph = r.iteration(batches[k % len(batches)])
-        if timed:
-            record.setdefault(r.label, {"phases": []})["phases"].append(ph)
+        for j in range(chain):
+            n = steps.get(id(r), 0)
+            ph = r.iteration(batches[n % len(batches)])
+            steps[id(r)] = n + 1
+            if timed and (chain == 1 or j > 0):
+                phases = record.setdefault(r.label, {"phases": []})["phases"]
+                if len(phases) < opts["iters"]:
+                    phases.append(ph)
+        r.settle(batches[0])  # nothing of this mode in flight during the next one's turn
 
     record: dict = {}
     if opts["sequential"]:
@@ -450,9 +603,10 @@ def time_modes(cases, spec, batches, opts) -> dict:
             r = build_runner(mode, sharding, spec, opts, python_allreduce=False)
             if r is None:
                 continue
-            w = r.warmup_iterations(opts["warmup"])
-            for i in range(w + opts["iters"]):
-                run_one(r, i, i >= w, record)
+            w = warm_rounds(r)
+            for i in range(w + timed_rounds):
+                run_chain(r, i >= w, record)
+            r.settle(batches[0])
             record[r.label]["final"] = [p.clone() for p in r.params()]
             del r
             gc.collect()
@@ -460,19 +614,20 @@ def time_modes(cases, spec, batches, opts) -> dict:
     runners = [build_runner(mode, sharding, spec, opts, python_allreduce=False)
                for mode, sharding in cases]
     runners = [r for r in runners if r is not None]
-    steps = {id(r): 0 for r in runners}
-    rounds = max(r.warmup_iterations(opts["warmup"]) for r in runners) + opts["iters"]
+    if not runners:
+        return record
+    rounds = max(warm_rounds(r) for r in runners) + timed_rounds
     for i in range(rounds):
         k = i % len(runners)
         for r in runners[k:] + runners[:k]:
-            w = r.warmup_iterations(opts["warmup"])
+            w = warm_rounds(r)
             # the overlap mode warms up longer: it starts earlier, so that every mode's timed
             # iterations fall in the same rounds
-            if i >= rounds - (w + opts["iters"]):
-                n = steps[id(r)]
-                run_one(r, n, n >= w, record)
-                steps[id(r)] = n + 1
+            first = rounds - (w + timed_rounds)
+            if i >= first:
+                run_chain(r, i - first >= w, record)
     for r in runners:
+        r.settle(batches[0])
         record[r.label]["final"] = [p.clone() for p in r.params()]
     record = {r.label: record[r.label] for r in runners}  # in the order of the modes
     del runners
@@ -496,10 +651,16 @@ def count_bytes(cases, spec, batches, opts) -> dict:
         w = r.warmup_iterations(2)
         for i in range(w):
             r.iteration(batches[i % len(batches)])
+        r.settle(batches[0])  # the warm-up's gathers: not in the traced iteration
         dist.barrier()
         checked = mode in FSDP2_MODES  # their trace holds tensor collectives only: exact
         with (CheckedCollectiveTrace() if checked else CollectiveTrace()) as tr:
             r.iteration(batches[w % len(batches)], trace=tr)
+            # overlap_param_gather: the step's gathers, issued (by a worker thread) while
+            # the trace is open, counted as the step's
+            tr.phase = "step"
+            r.settle(batches[0])
+            tr.phase = ""
         calls: dict = {}
         for _key, name, _phase, sent, _recv in tr.records:
             c = calls.setdefault(name, [0, 0])
@@ -550,21 +711,24 @@ def run(rank: int, world: int, opts: dict, out_path: str) -> None:
             timed = time_modes(cases, spec, batches, opts)
             ref = timed.get("ddp", {}).get("final")
             # (zero_ext's first mode: the others step with the same kernel, so the same)
-            ours = next((rec["final"] for label, rec in timed.items()
-                         if label.startswith("zero_ext") and "overlap" not in label), None)
+            # (every zero_ext mode but zero_ext_overlap, whose first 2 iterations do not step)
+            same_steps = [label for label in timed if mode_of(label) != "zero_ext_overlap"]
+            ours = next((timed[label]["final"] for label in same_steps
+                         if mode_of(label) in ZERO_EXT_MODES), None)
             for label, rec in timed.items():
                 final = rec.pop("final")
-                # modes 1-4 took the same steps on the same batches: they must agree
-                if ref is not None and not label.startswith("zero_ext_overlap"):
+                # these modes took the same steps on the same batches: they must agree
+                if ref is not None and label in same_steps:
                     rec["max_abs_diff"] = max((a - b).abs().max().item()
                                               for a, b in zip(final, ref))
-                if ours is not None and label.startswith("zero_ext") and \
-                        "overlap" not in label:
+                if ours is not None and label in same_steps and \
+                        mode_of(label) in ZERO_EXT_MODES:
                     rec["diff_to_zero_ext"] = max((a - b).abs().max().item()
                                                   for a, b in zip(final, ours))
             del ref, ours
             gc.collect()
-            counted = count_bytes(cases, spec, batches, opts)
+            # bytes do not depend on the compute stand-in: counted without it
+            counted = count_bytes(cases, {**spec, "compute_ms": 0.0}, batches, opts)
             model_numel = sum(p.numel() for p in build_model(spec).parameters())
             results[name] = {"spec": spec, "numel": model_numel, "timed": timed,
                              "counted": counted}
@@ -573,7 +737,9 @@ def run(rank: int, world: int, opts: dict, out_path: str) -> None:
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump({"world": world, "threads": opts["threads"], "ranks": gathered,
-                           "bucket_cap_mb": opts["bucket_cap_mb"]}, f)
+                           "bucket_cap_mb": opts["bucket_cap_mb"],
+                           "compute_ms": opts.get("compute_ms", 0.0),
+                           "chain": chain_length(opts)}, f)
     finally:
         dist.destroy_process_group()
 
@@ -595,6 +761,10 @@ def summarize(data: dict, model: str) -> dict:
         n = min(len(p) for p in phases)
         med = {k: statistics.median(max(p[i][k] for p in phases) for i in range(n))
                for k in phases[0][0]}
+        # every rank's own medians (rank order), per phase
+        per_rank_med = [dict({k: statistics.median(p[i].get(k, 0.0) for i in range(n))
+                              for k in PHASES}, rank=pr_rank)
+                        for p, pr_rank in zip(phases, (rk["rank"] for rk in data["ranks"]))]
         counted = [pr["counted"][label] for pr in per_rank]
         sent = [c["bytes"] for c in counted]
         diffs = [pr["timed"][label].get("max_abs_diff") for pr in per_rank]
@@ -609,13 +779,28 @@ def summarize(data: dict, model: str) -> dict:
                        "diff_to_zero_ext": None if ours[0] is None else max(ours),
                        # collectives the trace missed on some rank (None: not checked);
                        # where any, the bytes and the critical path read "n/a"
-                       "missed": None if missed[0] is None else max(missed)}
+                       "missed": None if missed[0] is None else max(missed),
+                       "per_rank": sorted(per_rank_med, key=lambda d: d["rank"]),
+                       # each timed iteration's slowest rank, per phase (in time order)
+                       "slowest": {k: [max(p[i].get(k, 0.0) for p in phases)
+                                       for i in range(n)] for k in PHASES}}
         rows[label].update(link_summary([c["trace"] for c in counted], world, numel))
     ddp = per_rank[0]["counted"].get("ddp")
     buckets = None if ddp is None else sum(
         1 for _k, name, ph, _s, _r in ddp["trace"] if name == "all_reduce" and ph == "backward")
     return {"world": world, "numel": numel, "rows": rows, "spec": per_rank[0]["spec"],
-            "ddp_buckets": buckets, "bucket_cap_mb": data.get("bucket_cap_mb", {}).get(model)}
+            "ddp_buckets": buckets, "bucket_cap_mb": data.get("bucket_cap_mb", {}).get(model),
+            "compute_ms": data.get("compute_ms", 0.0), "chain": data.get("chain", 1)}
+
+
+def compute_note(summary: dict) -> str:
+    """The compute stand-in, in words (table titles)."""
+    c = summary.get("compute_ms") or 0.0
+    if not c:
+        return "no compute stand-in (--compute-ms 0)"
+    n = compute_layers(summary["spec"])
+    return (f"compute stand-in {c:g} ms forward / {2 * c:g} ms backward per layer "
+            f"(x{n}: {n * c:g} / {2 * n * c:g} ms per iteration)")
 
 
 def link_summary(traces: list, world: int, numel: int) -> dict:
@@ -645,6 +830,9 @@ def link_summary(traces: list, world: int, numel: int) -> dict:
 def tables(summary: dict, file=None) -> str:
     """The main table and the breakdown, as markdown (printed, and returned)."""
     rows, world, numel = summary["rows"], summary["world"], summary["numel"]
+    if not rows:  # every mode was skipped
+        return print_table("Whole iteration: no mode ran (all skipped)", ["mode"], [],
+                           file=file)
     base = rows.get("ddp")
     ddp_ring = 2 * (world - 1) / world * numel * 4
     main, parts, colls = [], [], []
@@ -658,12 +846,13 @@ def tables(summary: dict, file=None) -> str:
                      f"{r['sent_mean'] / base['sent_mean']:.3f}x" if base and base["sent_mean"]
                      else "-"])
         m = r["median"]
-        overlap = label.startswith("zero_ext_overlap")
+        overlap = mode_of(label) == "zero_ext_overlap"
         fsdp2 = label in FSDP2_MODES
         parts.append([label, _ms(m["forward"]), _ms(m["backward"]),
                       "in backward" if overlap else _ms(m["step"]),
                       "in forward" if fsdp2 else
                       _ms(m["exchange"]) if not label.startswith("ddp") else "-",
+                      _ms(m.get("param_wait", 0.0)),
                       "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}"])
         colls.append([label, (f"n/a ({r['missed']} collective(s) not traced)" if na else
                               ", ".join(f"{k} x{c} {b / 1e6:.2f} MB"
@@ -676,8 +865,11 @@ def tables(summary: dict, file=None) -> str:
             f"{spec['vocab']}, batch {spec['batch']} x {spec['seq']} tokens")
     cores = (f" ({world} ranks x {summary['threads']} thread(s) oversubscribe the cores)"
              if summary.get("oversubscribed") else "")
-    title = (f"Whole iteration, {what}: {numel:,} fp32 params; world {world}{cores}, gloo; median "
-             f"of {min(r['iters'] for r in rows.values())} iterations (slowest rank). Bytes "
+    title = (f"Whole iteration, {what}: {numel:,} fp32 params; world {world}{cores}, gloo; "
+             f"{compute_note(summary)}; median "
+             f"of {min(r['iters'] for r in rows.values())} iterations (slowest rank"
+             + (f"; each mode's turn {summary['chain']} back-to-back iterations, the first "
+                f"untimed" if summary.get("chain", 1) > 1 else "") + "). Bytes "
              f"counted in one iteration (mean over ranks), gloo's algorithms; DDP's all-reduce "
              f"counted through torch's "
              f"Python allreduce_hook (ring all-reduce of the model: "
@@ -685,8 +877,18 @@ def tables(summary: dict, file=None) -> str:
     text = print_table(title, TABLE_HEADERS, main, file=file)
     text += "\n" + print_table(
         "Where the time goes (ms, median of the slowest rank per phase; step = clip + step + "
-        "zero_grad; exchange = the updated params' exchange inside it):",
-        ["mode", "forward", "backward", "step", "exchange", "max abs diff vs ddp"], parts,
+        "zero_grad; exchange = the updated params' exchange inside it; param wait = the "
+        "forward's wait for the previous step's params, part of forward):",
+        ["mode", "forward", "backward", "step", "exchange", "param wait",
+         "max abs diff vs ddp"], parts, file=file)
+    ranked = [[str(d["rank"]), label] + [_ms(d[k]) for k in PHASES]
+              for label, r in rows.items() for d in r.get("per_rank", [])]
+    text += "\n" + print_table(
+        "Per rank (ms, each rank's own median over the timed iterations; step = clip + step "
+        "+ zero_grad; param wait = the forward's wait for the previous step's params "
+        "exchange, part of forward: 0 where the step finished it, as in every mode but "
+        "those built with overlap_param_gather; FSDP2's all-gathers are its forward's own):",
+        ["rank", "mode", "forward", "backward", "step", "param wait", "total"], ranked,
         file=file)
     text += "\n" + print_table("Collectives counted in one iteration (calls on rank 0; "
                                "MB sent per rank, mean over ranks):",
@@ -730,6 +932,13 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-cap-mb", type=float, default=0.0,
                     help="DDP's bucket_cap_mb for every mode (0: 1 MB for mlp512, giving 8 "
                     "buckets, torch's 25 otherwise)")
+    ap.add_argument("--compute-ms", type=float, default=0.0,
+                    help="GPU-like compute stand-in: every layer's forward sleeps this many ms "
+                    "and its backward twice that (0: off)")
+    ap.add_argument("--chain", type=int, default=0,
+                    help="back-to-back iterations per mode per round, a barrier before the "
+                    "first, which is untimed when > 1 (0: 2 when an overlap_param_gather mode "
+                    "is requested, else 1)")
     ap.add_argument("--iters", type=int, default=10, help="timed iterations per mode")
     ap.add_argument("--warmup", type=int, default=2,
                     help="untimed iterations per mode (the overlap mode: 2 more)")
@@ -756,6 +965,8 @@ def main(argv=None) -> int:
            + [x for x in shardings if x not in SHARDINGS])
     if bad:
         ap.error(f"unknown mode(s)/model(s)/sharding(s): {bad}")
+    if args.compute_ms < 0 or args.chain < 0:
+        ap.error("--compute-ms and --chain must be >= 0")
     have = available_shardings()
     missing = [x for x in shardings if x not in have]
     shardings = [x for x in shardings if x in have]
@@ -776,6 +987,13 @@ def main(argv=None) -> int:
         print(f"# whole iteration: torch {torch.__version__}, {where}, {cores} cores; "
               f"{_prebuild() if not from_env else 'native ops loaded by rank 0 first'}",
               flush=True)
+        chain = chain_length({"chain": args.chain, "modes": modes})
+        print(f"# compute stand-in: "
+              + (f"{args.compute_ms:g} ms forward / {2 * args.compute_ms:g} ms backward per "
+                 f"layer (mlp, mlp512: per Linear; gpt2: per block)" if args.compute_ms else
+                 "off (--compute-ms 0)")
+              + f"; {chain} iteration(s) per mode per round"
+              + (" (the first untimed)" if chain > 1 else ""), flush=True)
         if missing:
             print(f"# sharding(s) {missing} left out: this zero_ext has {list(have)}",
                   flush=True)
@@ -788,6 +1006,7 @@ def main(argv=None) -> int:
                 "bucket_cap_mb": {m: args.bucket_cap_mb or DEFAULT_BUCKET_CAP_MB.get(m, 25.0)
                                   for m in models},
                 "iters": args.iters, "warmup": args.warmup, "quick": args.quick,
+                "compute_ms": args.compute_ms, "chain": args.chain,
                 "sequential": args.sequential, "gpt_layers": args.gpt_layers,
                 "gpt_batch": args.gpt_batch, "gpt_seq": args.gpt_seq}
         fd, out = tempfile.mkstemp(prefix=f"iteration_w{world}_", suffix=".json")

@@ -43,6 +43,9 @@ defaults but bucket_cap_mb, AdamW lr 6e-4, betas (0.9, 0.95), nanoGPT's two grou
                  overlap_param_gather=True
                  (both: skipped with a note where this zero_ext has no such option, i.e. its
                  constructor raises TypeError)
+--layouts job,hybrid runs every zero_ext mode also with its optimizer over this node's shard
+group (zero_ext.hybrid_groups(): LOCAL_WORLD_SIZE ranks, as torchrun or netlab's
+NETLAB_NODE_SIZE set it; DDP over the job), labelled "(even@hybrid)".
 The zero_ext modes run once per --sharding ("flat,even" by default; any of param, flat,
 even; a sharding this zero_ext lacks is left out with a note). "even" has no bucket views
 (zero_ext refuses parameters_as_bucket_view=True there): a mode that zero_ext refuses with
@@ -423,12 +426,16 @@ class Runner:
         else:
             # (a zero_ext without the option: TypeError, and build_runner skips the mode)
             gather = {"overlap_param_gather": True} if self.overlap_gather else {}
+            # "even@hybrid": the optimizer over this node's shard group (hybrid_groups()),
+            # DDP over the job
+            shard_mode, _, layout = sharding.partition("@")
+            group = hybrid_shard_group() if layout == "hybrid" else None
 
             def build(view: bool):
                 return ZeroRedundancyOptimizer(
                     groups, torch.optim.AdamW, parameters_as_bucket_view=view,
-                    sharding=sharding, overlap_with_ddp=mode == "zero_ext_overlap",
-                    **gather, **hp)
+                    sharding=shard_mode, overlap_with_ddp=mode == "zero_ext_overlap",
+                    process_group=group, **gather, **hp)
             try:
                 self.opt = build(True)
             except ValueError as exc:  # a mode without bucket views ("even": in the params)
@@ -538,11 +545,28 @@ class Runner:
 
 
 # ----------------------------------------------------------------------------- worker
+_HYBRID: dict = {}
+
+
+def hybrid_shard_group():
+    """This rank's shard group of zero_ext.hybrid_groups() (one per node: torchrun's, or
+    netlab's NETLAB_NODE_SIZE, LOCAL_WORLD_SIZE), made once per world (every rank makes it
+    at the same point: the first hybrid case, built in the same order everywhere)."""
+    from zero_ext import hybrid_groups
+
+    world = dist.get_world_size()
+    if world not in _HYBRID:
+        _HYBRID[world] = hybrid_groups()[0]
+    return _HYBRID[world]
+
+
 def _cases(opts) -> list[tuple[str, str]]:
     out = []
     for mode in opts["modes"]:
         for sharding in (opts["shardings"] if mode in ZERO_EXT_MODES else ["-"]):
-            out.append((mode, sharding))
+            for layout in (opts.get("layouts") or ["job"]) if mode in ZERO_EXT_MODES \
+                    else ["job"]:
+                out.append((mode, sharding if layout == "job" else f"{sharding}@{layout}"))
     return out
 
 
@@ -932,6 +956,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-cap-mb", type=float, default=0.0,
                     help="DDP's bucket_cap_mb for every mode (0: 1 MB for mlp512, giving 8 "
                     "buckets, torch's 25 otherwise)")
+    ap.add_argument("--layouts", default="job",
+                    help="for the zero_ext modes, comma-separated: job (the optimizer over "
+                         "the whole job), hybrid (over the node's shard group of "
+                         "zero_ext.hybrid_groups(), DDP over the job: label 'even@hybrid')")
     ap.add_argument("--compute-ms", type=float, default=0.0,
                     help="GPU-like compute stand-in: every layer's forward sleeps this many ms "
                     "and its backward twice that (0: off)")
@@ -1003,6 +1031,7 @@ def main(argv=None) -> int:
         opts = {"threads": threads, "port": 0 if from_env else _free_port(),
                 "timeout": args.timeout, "models": models, "modes": modes,
                 "shardings": shardings, "env": from_env,
+                "layouts": [x.strip() for x in args.layouts.split(",") if x.strip()],
                 "bucket_cap_mb": {m: args.bucket_cap_mb or DEFAULT_BUCKET_CAP_MB.get(m, 25.0)
                                   for m in models},
                 "iters": args.iters, "warmup": args.warmup, "quick": args.quick,

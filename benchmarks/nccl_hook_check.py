@@ -16,10 +16,16 @@ forced to NCCL's form, reduce_scatter_tensor, with ZERO_EXT_HOOK_TRANSPORT unles
    counted: every reduce_scatter_tensor must be of W equal blocks, and in "even" mode (equal
    shares) the hook must use nothing else (param and flat segments that one rank owns take
    all_to_all_single).
+   The same with ``overlap_param_gather=True`` (fp32 and bf16, every mode): the params'
+   exchange left in flight after each step, read back through ``model.state_dict()`` (which
+   waits for it) and the next forward; on NCCL its collectives were issued at the step and
+   the forward's stream waits on their events. The seconds the host waited
+   (``last_step_timings["param_wait"]``) are reported.
 2. Timing. An MLP (8 x Linear(2048, 2048), 33.6M params, batch 16), ms per iteration
    (forward, backward, clip, step; median of --iters after 3 warm-up iterations, CUDA
    synchronised) and peak allocated GPU memory per rank, for DDP + AdamW(fused=True), zero_ext
-   (even) and zero_ext + hook (even, flat), as ratios to DDP measured in the same run.
+   (even), zero_ext + hook (even, flat) and zero_ext + hook + overlap_param_gather (even), as
+   ratios to DDP measured in the same run.
 
 Writes ``nccl_hook_check.json`` and ``nccl_hook_check.md`` to --out (rank 0); exits 1 when a
 parity check fails.
@@ -84,7 +90,7 @@ def _count_hook_collectives():
     return calls, lambda: [setattr(dist, n, f) for n, f in saved.items()]
 
 
-def parity(sharding: str, dtype, device, world: int, rank: int) -> dict:
+def parity(sharding: str, dtype, device, world: int, rank: int, overlap: bool = False) -> dict:
     from zero_ext import ZeroRedundancyOptimizer
     from zero_ext.ddp_zero_hook import reduce_scatter_hook
 
@@ -93,10 +99,11 @@ def parity(sharding: str, dtype, device, world: int, rank: int) -> dict:
     ours = _ddp(_mlp(64, 4, dtype, device), device)
     o_ref = torch.optim.AdamW(_groups(ref.module), **HP)
     o_ours = ZeroRedundancyOptimizer(_groups(ours.module), torch.optim.AdamW,
-                                     sharding=sharding, master_weights=low, **HP)
+                                     sharding=sharding, master_weights=low,
+                                     overlap_param_gather=overlap, **HP)
     ours.register_comm_hook(o_ours, reduce_scatter_hook)
     tol = dict(atol=2e-2, rtol=2e-2) if low else dict(atol=1e-5, rtol=1e-5)
-    worst, calls, restore = 0.0, [], None
+    worst, calls, restore, waited = 0.0, [], None, []
     for it in range(6):
         g = torch.Generator().manual_seed(1000 * it + rank)
         x = torch.randn(8 + rank, 64, generator=g).to(device)
@@ -115,14 +122,23 @@ def parity(sharding: str, dtype, device, world: int, rank: int) -> dict:
             if restore is not None:
                 restore()
                 restore = None
-        for a, b in zip(ref.parameters(), ours.parameters()):
+        if overlap:  # (model.state_dict() waits for the exchange left in flight)
+            ours_now = list(ours.module.state_dict().values())
+            waited.append(o_ours.last_step_timings.get("param_wait", 0.0))
+        else:
+            ours_now = list(ours.parameters())
+        for a, b in zip(ref.parameters(), ours_now):
             torch.testing.assert_close(b.detach().float(), a.detach(), **tol,
                                        msg=lambda m, it=it: f"{sharding} {dtype} iter {it}: {m}")
             worst = max(worst, (b.detach().float() - a.detach()).abs().max().item())
     names = sorted({n for n, _, _ in calls})
     even_blocks = all(i == world * o for n, i, o in calls if n == REDUCE_SCATTER)
-    return {"max_abs_diff": worst, "hook_collectives": names, "calls": len(calls),
-            "equal_blocks": even_blocks}
+    rec = {"max_abs_diff": worst, "hook_collectives": names, "calls": len(calls),
+           "equal_blocks": even_blocks}
+    if overlap:
+        # the params' exchange is what overlap_param_gather leaves in flight; the host's wait
+        rec["param_wait_ms"] = 1e3 * max(waited[1:], default=0.0)
+    return rec
 
 
 def timing(device, iters: int, world: int) -> dict:
@@ -134,9 +150,11 @@ def timing(device, iters: int, world: int) -> dict:
             torch.cuda.synchronize(device)
 
     out = {}
-    modes = [("ddp", None, False), ("zero_ext (even)", "even", False),
-             ("zero_ext + hook (even)", "even", True), ("zero_ext + hook (flat)", "flat", True)]
-    for label, sharding, hook in modes:
+    modes = [("ddp", None, False, False), ("zero_ext (even)", "even", False, False),
+             ("zero_ext + hook (even)", "even", True, False),
+             ("zero_ext + hook (flat)", "flat", True, False),
+             ("zero_ext + hook + overlap_param_gather (even)", "even", True, True)]
+    for label, sharding, hook, overlap in modes:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = _mlp(2048, 8, torch.float32, device)
@@ -145,7 +163,7 @@ def timing(device, iters: int, world: int) -> dict:
             opt = torch.optim.AdamW(_groups(model), fused=True, **HP)
         else:
             opt = ZeroRedundancyOptimizer(_groups(model), torch.optim.AdamW, sharding=sharding,
-                                          **HP)
+                                          overlap_param_gather=overlap, **HP)
         if hook:
             ddp.register_comm_hook(opt, reduce_scatter_hook)
         x = torch.randn(16, 2048, device=device)
@@ -188,6 +206,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("ZERO_EXT_HOOK_TRANSPORT", "reduce_scatter")
+        # the overlapped exchange in NCCL's form: issued at the step, waited for per module
+        os.environ.setdefault("ZERO_EXT_GATHER_FORM", "nccl")
     backend = "nccl" if args.device == "cuda" else "gloo"
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
               if args.device == "cuda" else torch.device("cpu"))
@@ -196,23 +216,26 @@ def main() -> int:
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     result = {"world": world, "backend": backend, "parity": {}, "failures": []}
-    for sharding in ("param", "flat", "even"):
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            key = f"{sharding} {str(dtype).split('.')[-1]}"
-            try:
-                rec = parity(sharding, dtype, device, world, rank)
-                forced = os.environ.get("ZERO_EXT_HOOK_TRANSPORT") == "reduce_scatter"
-                if world > 1 and (forced or sharding == "even") and \
-                        rec["hook_collectives"] != [REDUCE_SCATTER]:
-                    raise AssertionError(f"the hook ran {rec['hook_collectives']}")
-                if not rec["equal_blocks"]:
-                    raise AssertionError("a reduce_scatter_tensor of unequal blocks")
-            except Exception as exc:  # noqa: BLE001 - reported, then the exit code
-                rec = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-                result["failures"].append(key)
-            result["parity"][key] = rec
-            if rank == 0:
-                print(key, rec, flush=True)
+    cases = [(s, d, False) for s in ("param", "flat", "even")
+             for d in (torch.float32, torch.bfloat16, torch.float16)]
+    cases += [(s, d, True) for s in ("param", "flat", "even")
+              for d in (torch.float32, torch.bfloat16)]
+    for sharding, dtype, overlap in cases:
+        key = f"{sharding} {str(dtype).split('.')[-1]}" + (" overlap" if overlap else "")
+        try:
+            rec = parity(sharding, dtype, device, world, rank, overlap)
+            forced = os.environ.get("ZERO_EXT_HOOK_TRANSPORT") == "reduce_scatter"
+            if world > 1 and (forced or sharding == "even") and \
+                    rec["hook_collectives"] != [REDUCE_SCATTER]:
+                raise AssertionError(f"the hook ran {rec['hook_collectives']}")
+            if not rec["equal_blocks"]:
+                raise AssertionError("a reduce_scatter_tensor of unequal blocks")
+        except Exception as exc:  # noqa: BLE001 - reported, then the exit code
+            rec = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            result["failures"].append(key)
+        result["parity"][key] = rec
+        if rank == 0:
+            print(key, rec, flush=True)
     if not args.no_timing:
         result["timing"] = timing(device, args.iters, world)
     if rank == 0:
@@ -220,11 +243,12 @@ def main() -> int:
         with open(os.path.join(args.out, "nccl_hook_check.json"), "w") as f:
             json.dump(result, f, indent=1)
         lines = [f"reduce_scatter_hook, {backend}, world {world}", "",
-                 "| parity | max abs diff vs DDP + AdamW | hook's collectives |",
-                 "|---|---|---|"]
+                 "| parity | max abs diff vs DDP + AdamW | hook's collectives | host's param "
+                 "wait, ms (overlap) |",
+                 "|---|---|---|---|"]
         for key, rec in result["parity"].items():
             lines.append(f"| {key} | {rec.get('max_abs_diff', rec.get('error'))} | "
-                         f"{rec.get('hook_collectives', '')} |")
+                         f"{rec.get('hook_collectives', '')} | {rec.get('param_wait_ms', '-')} |")
         if "timing" in result:
             lines += ["", "| mode (MLP 33.6M) | ms/iter | x DDP | peak MB |", "|---|---|---|---|"]
             for label, rec in result["timing"].items():

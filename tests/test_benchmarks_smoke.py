@@ -245,7 +245,8 @@ def test_bench_scale_reduce_scatter_bytes(tmp_path):
 def test_nccl_hook_check_runs_on_gloo(tmp_path):
     """The device-ready NCCL script (benchmarks/nccl_hook_check.py), its parity part on gloo at
     world 2 with the hook's transport forced to NCCL's reduce_scatter_tensor: every mode and
-    dtype matches DDP + AdamW and the hook ran reduce_scatter_tensor only."""
+    dtype matches DDP + AdamW, with overlap_param_gather in its NCCL form too, and the hook ran
+    reduce_scatter_tensor only."""
     from zero_ext.sync import REDUCE_SCATTER
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -259,7 +260,8 @@ def test_nccl_hook_check_runs_on_gloo(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "nccl_hook_check.json").read_text())
     assert result["world"] == 2 and not result["failures"], result
-    assert len(result["parity"]) == 9
+    assert len(result["parity"]) == 15  # 9 without the overlap, 6 with it
+    assert all(rec["param_wait_ms"] >= 0 for k, rec in result["parity"].items() if "overlap" in k)
     for key, rec in result["parity"].items():
         assert rec["hook_collectives"] == [REDUCE_SCATTER], (key, rec)
         assert rec["max_abs_diff"] <= (1e-5 if "float32" in key else 2e-2), (key, rec)

@@ -134,6 +134,8 @@ def _parity(rank, world, cfg):
                                        msg=lambda m, it=it, name=name: f"iter {it} {name}: {m}")
     for a, b in norms:
         assert abs(a - b) <= cfg.get("norm_rtol", 1e-5) * max(1.0, abs(a)), (a, b)
+    if "resolves_to" in cfg:  # (sharding="auto": what the hook's first call made of it)
+        assert (o_zero.sharding == "even") == (cfg["resolves_to"] == "even"), o_zero.sharding
     return [p.detach().clone() for p in zero.module.parameters()]
 
 
@@ -168,6 +170,13 @@ CASES = {
     "unused-and-frozen": dict(sharding="param", find_unused=True, frozen=True, clip=True),
     "state-none": dict(sharding="flat", state_none=True),
     "grad-scaler": dict(sharding="flat", scaler=True, clip=True, grad_view=True),
+    # sharding="auto" turns even at the hook's first call (nothing stepped yet) ...
+    "auto": dict(sharding="auto", clip=True, resolves_to="even"),
+    "auto-state-none-grad-scaler": dict(sharding="auto", state_none=True, scaler=True,
+                                        resolves_to="even"),
+    # ... but not with bucket views (even has none)
+    "auto-bucket-view": dict(sharding="auto", bucket_view=True, clip=True,
+                             resolves_to="not even"),
 }
 
 
@@ -175,7 +184,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_ddp_allreduce_and_adamw(world, case):
     if world == 3 and case not in ("param", "flat", "even", "accumulate-no-sync",
-                                   "grad-scaler", "even-segments", "even-reduce-scatter"):
+                                   "grad-scaler", "even-segments", "even-reduce-scatter", "auto"):
         pytest.skip("world 3 runs the main cases only (2 cores)")
     _same_everywhere(run_world(_parity, world, CASES[case]))
 

@@ -287,6 +287,20 @@ def test_bad_options_raise_on_every_rank(kw, cls, match):
         assert err is not None and err[0] == cls and match in err[1], err
 
 
+def _auto_sharding(rank, world, kw):
+    from zero_ext import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(list(_Net().parameters()), torch.optim.AdamW, lr=1e-3,
+                                   sharding="auto", **kw).sharding
+
+
+def test_auto_sharding_is_even_with_the_overlap():
+    """sharding="auto" with overlap_param_gather=True: even (the exchange left in flight is
+    then a ring all-gather of equal chunks); without the option auto keeps its old rule."""
+    assert run_world(_auto_sharding, 2, dict(overlap_param_gather=True)) == ["even"] * 2
+    assert "even" not in run_world(_auto_sharding, 2, {})
+
+
 class _ReadsChildWeight(torch.nn.Module):
     """A layer applied as `F.linear(x, self.pre.weight, self.pre.bias)` in the parent's own
     forward, before any module is called: no module whose forward runs holds pre's params

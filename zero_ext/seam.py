@@ -180,6 +180,11 @@ class HookSeam:
         before a hook's collectives and before a step it runs itself."""
         self._zero().wait_for_params()
 
+    def reduce_scatter_begins(self) -> None:
+        """reduce_scatter_hook is in use: sharding="auto" may still choose "even" (before
+        any state exists; see ZeroRedundancyOptimizer.hook_wants_even)."""
+        self._zero().hook_wants_even()
+
     def state_changed(self) -> None:
         """A step is under way: an earlier consolidation is out of date."""
         self._zero()._state_changed()

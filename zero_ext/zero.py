@@ -197,6 +197,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._stepper: FusedShardStep | None = None  # built at the first fused step
         self._fused_kernel_usable: bool | None = None
 
+        # sharding="auto" may still become "even" at reduce_scatter_hook's first call
+        self._auto_open = sharding == "auto"
         self.plan = self._new_plan(self._resolve_sharding(sharding))
         self.sharding = self.plan.sharding
         self._trainable = self._trainable_mask()  # what the bucket views were built for
@@ -213,6 +215,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if sharding != "auto":
             return sharding
         params = self._all_params
+        if self._param_gather is not None and self._even_accepted():
+            # the exchange left in flight is a ring all-gather of equal chunks, every link
+            # alike, for the next forward to hide (performance.md: even measured faster)
+            logger.info("zero_ext: sharding='auto' chose 'even' (overlap_param_gather=True)")
+            return layout.EVEN
         if self.world_size == 1 or not is_elementwise(self.optimizer_class) or any(
                 not p.is_contiguous() for p in params) or layout.find_aliases(params):
             return layout.PARAM
@@ -224,6 +231,40 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         logger.info("zero_ext: sharding='auto' chose %r (whole-param max/mean load %.3f, "
                     "threshold %.2f)", choice, ratio, AUTO_FLAT_THRESHOLD)
         return choice
+
+    def _even_accepted(self) -> bool:
+        """Whether sharding="even" takes these params (the same on every rank: what decides
+        it was agreed at construction)."""
+        params = self._all_params
+        return (self.world_size > 1 and is_elementwise(self.optimizer_class)
+                and not self.parameters_as_bucket_view and not self._overlap_with_ddp
+                and all(p.is_contiguous() for p in params) and not layout.find_aliases(params))
+
+    def hook_wants_even(self) -> None:
+        """(HookSeam) reduce_scatter_hook's first call: sharding="auto" becomes "even",
+        where every DDP bucket's reduce-scatter and the params' exchange are split evenly
+        over the ranks (measured no slower than param or flat with the hook: performance.md),
+        if nothing holds state yet (no step, no load: the same on every rank, both are
+        collective) and even takes these params. Before the first step DDP all-reduces its
+        first iteration's grads, so no grad was cut by the old partition."""
+        if not self._auto_open:
+            return
+        self._auto_open = False
+        if (self.sharding == layout.EVEN or self._had_state or state.created_at_init(self)
+                or not self._even_accepted()):
+            return
+        logger.info("zero_ext: sharding='auto' chose 'even' at reduce_scatter_hook's first "
+                    "call (was %r)", self.sharding)
+        self._repartition(layout.EVEN)
+
+    def _repartition(self, sharding: str) -> None:
+        """A fresh partition of every param while nothing holds optimizer state."""
+        self.plan = self._new_plan(sharding)
+        self.sharding = self.plan.sharding
+        self.optim.param_groups.clear()
+        self.optim.state.clear()
+        for lg in self._local_groups():
+            self.optim.add_param_group(lg)
 
     def _group_ids(self) -> list[int]:
         return [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
@@ -342,11 +383,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             # Nothing has optimizer state yet, so nothing stops a fresh, balanced partition
             # of all params (placing the new ones on top of the old loads can end worse
             # balanced than torch's rule).
-            self.plan = self._new_plan(self.sharding)
-            self.optim.param_groups.clear()
-            self.optim.state.clear()
-            for lg in self._local_groups():
-                self.optim.add_param_group(lg)
+            self._repartition(self.sharding)
         else:
             self.plan.add_generation(ids, initial=False)
             self._layout_changed(fresh_buffers=False)

@@ -179,6 +179,7 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
                 "optimizer holds")
         return _all_reduce(bucket, group)
     opt.hook_seam.wait_for_params()  # (before any collective on the exchange's lanes)
+    opt.hook_seam.reduce_scatter_begins()  # (sharding="auto": even, before any state)
     if opt.hook_seam.joined:
         raise NotImplementedError(
             "reduce_scatter_hook under a Join context (uneven inputs) is not supported: "

@@ -347,3 +347,67 @@ def test_a_param_read_outside_its_module(sharding):
     """The parent's forward reads a child's weight without calling the child: the forward's
     first module waits for it (it held a grad, and no module hook claimed it)."""
     run_world(_child_weight, 2, sharding)
+
+
+class _ReadsAround(torch.nn.Module):
+    """Forwards that read params where no module hook of their own waits (found by review):
+    - "peek": the parent reads a child's weight before calling that child;
+    - "late": a param read only functionally, and only from iteration 2 on (after the
+      order was recorded without it);
+    - "functional-head": a head only ever read functionally by a parent that holds no
+      params (its module never runs: model.load_state_dict must still wait for it)."""
+
+    def __init__(self, variant, width):
+        super().__init__()
+        torch.manual_seed(0)
+        self.variant = variant
+        self.head = torch.nn.Linear(width, 5)  # (first in the state dict)
+        self.a = torch.nn.Linear(12, width)
+        self.b = torch.nn.Linear(width, width)
+        self.extra = torch.nn.Linear(width, 5)
+
+    def forward(self, x, it):
+        if self.variant == "peek":
+            s = self.b.weight.sum() * 1e-2
+            return self.head(torch.tanh(self.b(torch.tanh(self.a(x))))) + s
+        h = torch.tanh(self.a(x))
+        late = 0.0
+        if self.variant == "late" and it >= 2:
+            late = torch.nn.functional.linear(h, self.extra.weight) * 0.1
+        h = torch.tanh(self.b(h))
+        return torch.nn.functional.linear(h, self.head.weight, self.head.bias) + late
+
+
+def _reads_around(rank, world, cfg):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer, param_gather
+
+    param_gather.FORM = cfg["form"]
+    param_gather.WORKER_DELAY_S = 0.0 if cfg["variant"] == "functional-head" else 0.05
+    ref, cand = (DDP(_ReadsAround(cfg["variant"], cfg["width"]), find_unused_parameters=True)
+                 for _ in range(2))
+    o_ref = torch.optim.AdamW(ref.parameters(), **HP)
+    opt = ZeroRedundancyOptimizer(cand.parameters(), torch.optim.AdamW, sharding=cfg["sharding"],
+                                  overlap_param_gather=True, **HP)
+    target = {k: v + 1.0 for k, v in ref.module.state_dict().items()}
+    for it in range(5):
+        for ddp, o in ((ref, o_ref), (cand, opt)):  # (the candidate's step last)
+            ddp(_batch(rank, it), it).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        if cfg["variant"] == "functional-head" and it == 3:
+            # right after the step, with the exchange in flight: the load must stay
+            cand.module.load_state_dict(target)
+            ref.module.load_state_dict(target)
+    opt.wait_for_params()
+    _close(cand.module, ref.module, cfg["variant"])
+    return True
+
+
+@pytest.mark.parametrize("form", ["auto", "nccl"])
+@pytest.mark.parametrize("variant,world", [("peek", 2), ("late", 3), ("functional-head", 2)])
+def test_params_read_where_no_module_hook_of_theirs_waits(variant, world, form):
+    # (width 640: b's weight, 1.6 MB, travels in a collective of its own)
+    run_world(_reads_around, world, dict(variant=variant, width=640, form=form,
+                                        sharding="even"))

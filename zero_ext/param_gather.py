@@ -84,8 +84,53 @@ def _deactivate(gather: "ParamGather") -> None:
 
 @torch._disable_dynamo
 def _before_forward(module: torch.nn.Module, args) -> None:
+    if _RECORDING and _READS.outermost is None:
+        _READS.watch(module)
     for gather in list(_ACTIVE):
         gather.before_forward(module)
+
+
+# ParamGathers recording the forward's order of first use
+_RECORDING: "weakref.WeakSet[ParamGather]" = weakref.WeakSet()
+
+
+class _AttributeReads:
+    """While a recorded forward runs (one forward after the first step, on the main
+    thread): every read of a param as a module attribute (`self.c.weight`), so that a param
+    that a parent's forward reads before calling the module holding it (`s =
+    self.c.weight.norm()`, then `self.c(x)`) is known; its module's own wait would come
+    too late. Module.__getattr__ is wrapped for that forward only; a forward hook that runs
+    even when the forward raises puts it back."""
+
+    def __init__(self):
+        self.outermost: torch.nn.Module | None = None
+        self.original = None
+        self.done_hook = None
+
+    def watch(self, module: torch.nn.Module) -> None:
+        self.outermost = module
+        self.original = original = torch.nn.Module.__getattr__
+
+        def getattr_watched(mod, name):
+            value = original(mod, name)
+            if isinstance(value, torch.nn.Parameter):
+                for gather in list(_RECORDING):
+                    gather.attribute_read(value)
+            return value
+
+        torch.nn.Module.__getattr__ = getattr_watched
+        self.done_hook = torch.nn.modules.module.register_module_forward_hook(
+            self._after_forward, always_call=True)
+
+    @torch._disable_dynamo
+    def _after_forward(self, module, args, output) -> None:
+        if module is self.outermost:
+            torch.nn.Module.__getattr__ = self.original
+            self.done_hook.remove()
+            self.outermost = self.original = self.done_hook = None
+
+
+_READS = _AttributeReads()
 
 
 class _Worker:
@@ -136,8 +181,10 @@ class ParamGather:
         self.first_end = -1           # the last item carrying such params
         self.recorded: list | None = None  # id(param) in first-use order, while recording
         self._seen: set = set()
+        self._read_early: set = set()  # read as an attribute before its module's forward
         self.ids: set = set()         # id of every param of the optimizer
         self.modules: "weakref.WeakSet" = weakref.WeakSet()  # hooks registered on them
+        self._scanned: "weakref.WeakSet" = weakref.WeakSet()  # their trees searched
         self.lanes: list | None = None  # gloo: the exchange's own groups
         self.waited = 0.0             # seconds this rank blocked for the last step's gathers
 
@@ -149,27 +196,43 @@ class ParamGather:
 
     def begin_recording(self) -> None:
         if self.positions is None and self.recorded is None:
-            self.recorded, self._seen = [], set()
+            self.recorded, self._seen, self._read_early = [], set(), set()
             self.ids = {id(p) for p in self._zero().hook_seam.params}
+            _RECORDING.add(self)
             _activate(self)
+
+    def attribute_read(self, p: torch.Tensor) -> None:
+        """(recording) A param read as a module attribute: before its own module's
+        forward began, it is waited for at the forward's first module."""
+        if self.recorded is not None and id(p) in self.ids and id(p) not in self._seen:
+            self._read_early.add(id(p))
+
+    def forget_order(self) -> None:
+        """(add_param_group, on every rank) The next step exchanges as without the option
+        and the forward after it records the order again, the new params included."""
+        self.positions, self.unclaimed, self.recorded = None, set(), None
+        _RECORDING.discard(self)
+        if self.queue is None:  # (a recording under way stops too)
+            _deactivate(self)
 
     def agree_order(self) -> None:
         """(Collective, at a step, alike on every rank: recording began at the same step
         everywhere.) Rank 0's recorded order, as param indices, becomes every rank's.
 
-        Params that hold a grad now but no module called in the forward holds directly
-        (read by a parent's own forward, `x @ self.child.weight`, or by functional code)
-        come first, and the forward's first module waits for them: no module hook would."""
+        Params that no module called in the recorded forward holds directly (read by a
+        parent's own forward, `x @ self.child.weight`, by functional code, or not read in
+        that forward at all but perhaps in a later one) come first, and the forward's first
+        module waits for them: no module hook would."""
         if self.positions is not None or self.recorded is None:
             return
         zero = self._zero()
         index = zero.hook_seam.param_index()
-        claimed = [index[i] for i in self.recorded if i in index]
+        claimed = [index[i] for i in self.recorded if i in index and i not in self._read_early]
         seen = set(claimed)
-        unclaimed = [pid for pid, p in enumerate(zero.hook_seam.params)
-                     if p.grad is not None and pid not in seen]
+        unclaimed = [pid for pid in range(len(zero.hook_seam.params)) if pid not in seen]
         mine = (unclaimed, claimed)
         self.recorded = None
+        _RECORDING.discard(self)
         if self.queue is None:
             _deactivate(self)
         group = zero.process_group
@@ -234,6 +297,15 @@ class ParamGather:
                 if id(p) in self.ids and id(p) not in self._seen:
                     self._seen.add(id(p))
                     self.recorded.append(id(p))
+            # model.state_dict() / load_state_dict() of any module holding the params wait,
+            # also of those whose forward never runs (read by their parent: F.linear(x,
+            # self.head.weight)): every module below the outermost one called
+            if module not in self._scanned:
+                for sub in module.modules():
+                    self._scanned.add(sub)
+                    if any(id(q) in self.ids for q in sub._parameters.values()
+                           if q is not None):
+                        self._hook_module(sub)
         queue = self.queue
         if queue is not None and queue.finished <= self.first_end:
             # the forward's first module, whichever: params it reads outside module hooks

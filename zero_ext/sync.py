@@ -422,19 +422,21 @@ def uses_gathers(ex: Exchanger) -> bool:
 
 
 def plan_gathers(buckets, world: int, active: Callable[[int], bool],
-                 pack_bytes: int = STAGING_BYTES) -> list[Gather]:
+                 pack_bytes: int = STAGING_BYTES, grow_to: int | None = None
+                 ) -> list[Gather]:
     """The gathers of an even plan's buckets (one param each), the same on every rank:
-    params packed up to `pack_bytes` per gather, a large param with equal chunks in rank
-    order on its own, in place."""
+    params packed up to `pack_bytes` per gather (with `grow_to`: the n-th gather up to
+    pack_bytes * 2^n, at most grow_to), a large param with equal chunks in rank order on
+    its own, in place."""
     out: list[Gather] = []
     cur: Gather | None = None
+    cur_n = 0  # cur's place in `out`
     for b in buckets:
         pid = b.param_ids[0]
         if not active(pid) or b.numel == 0:
             continue
         chunk = max(hi - lo for lo, hi in b.rank_ranges)
         size = torch.empty((), dtype=b.dtype).element_size()
-        cap = max(1, pack_bytes // size // world)
         # in place only where rank r's chunk is the r-th of `world` equal blocks: that is
         # where all_gather_into_tensor puts it (the even plan rotates the first owner from
         # param to param, so most params are not in rank order)
@@ -443,12 +445,19 @@ def plan_gathers(buckets, world: int, active: Callable[[int], bool],
             out.append(Gather(b.device, b.dtype, [(pid, b.rank_ranges, 0)], chunk, True))
             continue
         if cur is None or (cur.device, cur.dtype) != (b.device, b.dtype) or \
-                cur.size + chunk > cap:
-            cur = Gather(b.device, b.dtype, [], 0, False)
+                cur.size + chunk > _gather_cap(pack_bytes, grow_to, cur_n, size, world):
+            cur, cur_n = Gather(b.device, b.dtype, [], 0, False), len(out)
             out.append(cur)
         cur.params.append((pid, b.rank_ranges, cur.size))
         cur.size += chunk
     return out
+
+
+def _gather_cap(pack_bytes: int, grow_to: int | None, n: int, size: int, world: int) -> int:
+    """Elements per rank the n-th packed gather may carry."""
+    limit = pack_bytes if grow_to is None else \
+        max(pack_bytes, min(grow_to, pack_bytes << min(n, 20)))
+    return max(1, limit // size // world)
 
 
 def exchange_gathers(ex: Exchanger, gathers: list[Gather],

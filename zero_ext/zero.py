@@ -374,6 +374,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                              (int(any(self.optim.state.values())),))
 
         super().add_param_group(group)
+        if self._param_gather is not None:  # new params: the forward's order, recorded again
+            self._param_gather.forget_order()
         gi = len(self.param_groups) - 1
         ids = list(range(len(self._all_params), len(self._all_params) + len(group["params"])))
         self._all_params.extend(group["params"])

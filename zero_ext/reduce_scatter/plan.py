@@ -4,6 +4,7 @@ bounded by one segment per lane, whatever DDP's bucket_cap_mb is).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 # flight (one per lane), whatever bucket_cap_mb is. 4 MB: on the 33.6M-param MLP at world 2
 # the scratch is 13-18 MB per rank (27-36 MB with 8 MB segments, which measured 40-50 MB
 # more peak RSS for the hook in "even" mode).
-SEGMENT_BYTES = 4 << 20
+# ZERO_EXT_HOOK_SEGMENT_BYTES sets it (benchmarks; every rank alike).
+SEGMENT_BYTES = int(os.environ.get("ZERO_EXT_HOOK_SEGMENT_BYTES", 4 << 20))
 
 
 @dataclass

@@ -53,7 +53,7 @@ FORMS = ("auto", "nccl")
 FORM = os.environ.get("ZERO_EXT_GATHER_FORM", "auto")
 # Groups the worker thread's exchange travels on, one collective in flight on each (behind
 # netlab's links, world 4: one group waited 41 ms for the forward's first module, two 19)
-GATHER_LANES = 2
+GATHER_LANES = int(os.environ.get("ZERO_EXT_GATHER_LANES", 2))  # (benchmarks: every rank alike)
 # Seconds the worker thread waits before each exchange it drives (tests: a read that did
 # not wait for the exchange then reads the old values, every time, not by chance)
 WORKER_DELAY_S = 0.0

@@ -29,11 +29,6 @@ from .sync import (STAGING_BYTES, Exchanger, Gather, bucket_gathers, exchange_ga
 # flight sharing the links) 34 ms; 1 MB (each weight alone at the links' full rate) 19 ms.
 # ZERO_EXT_DEFERRED_PACK_BYTES sets it (benchmarks; every rank alike).
 DEFERRED_PACK_BYTES = int(os.environ.get("ZERO_EXT_DEFERRED_PACK_BYTES", 1 << 20))
-# Each later gather of the even exchange left in flight may carry twice the one before, up
-# to this: a ring all-gather costs world - 1 hops of latency whatever its size, and the
-# forward needs the first params first (ZERO_EXT_DEFERRED_GROW_TO; 0: every gather
-# DEFERRED_PACK_BYTES).
-DEFERRED_GROW_TO = int(os.environ.get("ZERO_EXT_DEFERRED_GROW_TO", STAGING_BYTES)) or None
 
 
 class OverlappedSends:
@@ -275,9 +270,8 @@ class Replicas:
                 self._messages[key] = plan_messages(buckets, plan.world_size, active,
                                                     pack_bytes=pack)
             elif uses_gathers(self.ex):  # every link does equal work (see sync.py)
-                self._messages[key] = plan_gathers(
-                    buckets, plan.world_size, active, pack_bytes=pack,
-                    grow_to=None if order is None else DEFERRED_GROW_TO)
+                self._messages[key] = plan_gathers(buckets, plan.world_size, active,
+                                                   pack_bytes=pack)
             else:  # (gloo at world 2: one broadcast per owner on each of two lanes)
                 self._messages[key] = plan_messages(buckets, plan.world_size, active,
                                                     across_buckets=True, pack_bytes=pack)

@@ -240,10 +240,13 @@ class LaneQueue:
     order. One thread drives a queue; with `wait_finished` another may wait on it."""
 
     def __init__(self, lanes: list, items: list, issue: Callable, finish: Callable,
-                 bounded: bool = True):
+                 bounded: bool = True, solo_first: bool = False):
         self.lanes, self.items = lanes, items
         self.issue_fn, self.finish_fn = issue, finish
         self.bounded = bounded
+        # (bounded) item 0 alone in flight: a forward waiting for it gets the links' full
+        # rate (the next item would share them and double its time)
+        self.solo_first = solo_first
         self.issued = 0
         self.finished = 0
         self.inflight: dict = {}
@@ -263,6 +266,8 @@ class LaneQueue:
         lanes = len(self.lanes)
         while self.issued < len(self.items) and (
                 not self.bounded or self.issued - self.finished < lanes):
+            if self.bounded and self.solo_first and self.issued == 1 and self.finished == 0:
+                break
             i = self.issued
             slot = i % lanes if self.bounded else i
             self.inflight[i] = self.issue_fn(self.items[i], self.lanes[i % lanes], slot)
@@ -422,15 +427,15 @@ def uses_gathers(ex: Exchanger) -> bool:
 
 
 def plan_gathers(buckets, world: int, active: Callable[[int], bool],
-                 pack_bytes: int = STAGING_BYTES, grow_to: int | None = None
-                 ) -> list[Gather]:
+                 pack_bytes: int = STAGING_BYTES) -> list[Gather]:
     """The gathers of an even plan's buckets (one param each), the same on every rank:
-    params packed up to `pack_bytes` per gather (with `grow_to`: the n-th gather up to
-    pack_bytes * 2^n, at most grow_to), a large param with equal chunks in rank order on
-    its own, in place."""
+    params packed up to `pack_bytes` per gather, a large param with equal chunks in rank
+    order on its own, in place. A small param (a bias, a norm's weight) that would open a
+    gather of its own joins the one before instead, up to a quarter more: each gather
+    costs world - 1 hops of latency whatever its size, and a module's weight and bias then
+    travel together."""
     out: list[Gather] = []
     cur: Gather | None = None
-    cur_n = 0  # cur's place in `out`
     for b in buckets:
         pid = b.param_ids[0]
         if not active(pid) or b.numel == 0:
@@ -444,20 +449,15 @@ def plan_gathers(buckets, world: int, active: Callable[[int], bool],
         if ordered and world * chunk * size >= DIRECT_GATHER_BYTES:
             out.append(Gather(b.device, b.dtype, [(pid, b.rank_ranges, 0)], chunk, True))
             continue
-        if cur is None or (cur.device, cur.dtype) != (b.device, b.dtype) or \
-                cur.size + chunk > _gather_cap(pack_bytes, grow_to, cur_n, size, world):
-            cur, cur_n = Gather(b.device, b.dtype, [], 0, False), len(out)
+        cap = max(1, pack_bytes // size // world)
+        fits = cur is not None and (cur.size + chunk <= cap or (
+            chunk <= cap // 16 and cur.size + chunk <= cap + cap // 4))
+        if not fits or (cur.device, cur.dtype) != (b.device, b.dtype):
+            cur = Gather(b.device, b.dtype, [], 0, False)
             out.append(cur)
         cur.params.append((pid, b.rank_ranges, cur.size))
         cur.size += chunk
     return out
-
-
-def _gather_cap(pack_bytes: int, grow_to: int | None, n: int, size: int, world: int) -> int:
-    """Elements per rank the n-th packed gather may carry."""
-    limit = pack_bytes if grow_to is None else \
-        max(pack_bytes, min(grow_to, pack_bytes << min(n, 20)))
-    return max(1, limit // size // world)
 
 
 def exchange_gathers(ex: Exchanger, gathers: list[Gather],
@@ -526,7 +526,7 @@ def exchange_gathers(ex: Exchanger, gathers: list[Gather],
                                            group=group, async_op=True)
         return work, recv
 
-    queue = LaneQueue(lanes, gathers, issue, finish, bounded)
+    queue = LaneQueue(lanes, gathers, issue, finish, bounded, solo_first=defer)
     if not defer:
         queue.complete_all()
     return queue

@@ -73,6 +73,9 @@ def _pair(rank, cfg, group=None):
         plan.SEGMENT_BYTES = cfg["segment_bytes"]
     if cfg.get("transport"):  # NCCL's form (reduce_scatter_tensor), here on gloo
         transport.TRANSPORT = cfg["transport"]
+    if "local_world" in cfg:  # torchrun's ranks per node (sharding="auto" reads it)
+        import os
+        os.environ["LOCAL_WORLD_SIZE"] = str(cfg["local_world"])
     dtype = cfg.get("dtype", torch.float32)
     kw = dict(bucket_cap_mb=0.002,  # several buckets even for this small model
               find_unused_parameters=cfg.get("find_unused", False),
@@ -170,13 +173,15 @@ CASES = {
     "unused-and-frozen": dict(sharding="param", find_unused=True, frozen=True, clip=True),
     "state-none": dict(sharding="flat", state_none=True),
     "grad-scaler": dict(sharding="flat", scaler=True, clip=True, grad_view=True),
-    # sharding="auto" turns even at the hook's first call (nothing stepped yet) ...
-    "auto": dict(sharding="auto", clip=True, resolves_to="even"),
+    # sharding="auto" turns even at the hook's first call (nothing stepped yet) when the
+    # ranks span nodes (one rank per node here) ...
+    "auto": dict(sharding="auto", clip=True, local_world=1, resolves_to="even"),
     "auto-state-none-grad-scaler": dict(sharding="auto", state_none=True, scaler=True,
-                                        resolves_to="even"),
-    # ... but not with bucket views (even has none)
-    "auto-bucket-view": dict(sharding="auto", bucket_view=True, clip=True,
+                                        local_world=1, resolves_to="even"),
+    # ... but not with bucket views (even has none), nor on one node
+    "auto-bucket-view": dict(sharding="auto", bucket_view=True, clip=True, local_world=1,
                              resolves_to="not even"),
+    "auto-one-node": dict(sharding="auto", clip=True, local_world=3, resolves_to="not even"),
 }
 
 

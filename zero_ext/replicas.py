@@ -23,10 +23,13 @@ from .sync import (STAGING_BYTES, Exchanger, Gather, bucket_gathers, exchange_ga
 
 # The exchange left in flight (overlap_param_gather) packs small pieces up to this many
 # bytes per collective instead of STAGING_BYTES: the forward's first module waits for the
-# first collective, so it should be small; more collectives cost their fixed latency.
-# Behind netlab's links (world 4, 8 x Linear(512), forward 16 ms per layer): 4 MB, the
-# first module waited 97-106 ms; 2 MB (a layer's weight and bias together, two such in
-# flight sharing the links) 34 ms; 1 MB (each weight alone at the links' full rate) 19 ms.
+# first collective, so it should be small; each collective costs its fixed latency (a ring
+# all-gather: world - 1 hops), which is why a small param joins the collective before it
+# (sync.plan_gathers). Behind netlab's links, 8 x Linear(512) (a layer's weight 1 MB):
+# world 4, forward 16 ms per layer: 4 MB packs, the first module waited 97-106 ms; 2 MB
+# (two layers in flight sharing the links) 34 ms; 1 MB 19-34 ms. World 8, 44 ms per layer:
+# 1 MB packs with each bias in a collective of its own, 369 ms of waits per forward; 4 MB
+# 240; the weight and its bias together, the first collective alone in flight, 87 ms.
 # ZERO_EXT_DEFERRED_PACK_BYTES sets it (benchmarks; every rank alike).
 DEFERRED_PACK_BYTES = int(os.environ.get("ZERO_EXT_DEFERRED_PACK_BYTES", 1 << 20))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -42,6 +43,13 @@ _ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "
 AUTO_FLAT_THRESHOLD = 1.05  # max/mean whole-param load above which "auto" picks "flat"
 OVERLAP_CHUNKS = 4  # local-step chunks whose exchange overlaps the next chunk's compute
 OVERLAP_MIN_CHUNK_ELEMS = 1 << 21  # below ~8 MB a chunk's broadcast costs more than it hides
+
+
+def _spans_nodes(group_size: int) -> bool:
+    """Whether a group of this many ranks holds ranks of several nodes: more ranks than
+    torchrun's LOCAL_WORLD_SIZE puts on one node (unknown, not under torchrun: no)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return local.isdigit() and 0 < int(local) < group_size
 
 
 def is_elementwise(optimizer_class: type) -> bool:
@@ -110,7 +118,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                                     self.world_size)
 
         # Validate locally, then agree across ranks before anything else is collective.
-        error, lines, groups = None, [], []
+        error, lines, groups, spans_nodes = None, [], [], False
         try:
             if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
                 raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass, got "
@@ -152,8 +160,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                         f"sharding={sharding!r} cannot split parameters that share memory (params "
                         f"{sorted(aliases)} alias earlier ones, as after `b.data = a.data`); "
                         "use sharding='param', or tie them as one Parameter")
-            # (aliases and contiguity decide sharding="auto": part of what must agree)
+            # (aliases, contiguity and nodes decide sharding="auto": part of what must agree)
+            spans_nodes = sharding == "auto" and _spans_nodes(self.world_size)
             lines = groups_mod.describe(groups, {
+                "sharding='auto': the ranks span nodes (torchrun's LOCAL_WORLD_SIZE)":
+                    spans_nodes,
                 "optimizer_class": optimizer_class.__qualname__, "sharding": sharding,
                 "params sharing memory": sorted(aliases.items()),
                 "non-contiguous params": [i for i, p in enumerate(flat_params)
@@ -199,6 +210,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         # sharding="auto" may still become "even" at reduce_scatter_hook's first call
         self._auto_open = sharding == "auto"
+        self._spans_nodes = spans_nodes
         self.plan = self._new_plan(self._resolve_sharding(sharding))
         self.sharding = self.plan.sharding
         self._trainable = self._trainable_mask()  # what the bucket views were built for
@@ -215,10 +227,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if sharding != "auto":
             return sharding
         params = self._all_params
-        if self._param_gather is not None and self._even_accepted():
-            # the exchange left in flight is a ring all-gather of equal chunks, every link
-            # alike, for the next forward to hide (performance.md: even measured faster)
-            logger.info("zero_ext: sharding='auto' chose 'even' (overlap_param_gather=True)")
+        if self._param_gather is not None and self._spans_nodes and self._even_accepted():
+            # across nodes the links are the limit: the exchange left in flight is then a
+            # ring all-gather of equal chunks, every link alike (performance.md)
+            logger.info("zero_ext: sharding='auto' chose 'even' (overlap_param_gather=True, "
+                        "ranks on several nodes)")
             return layout.EVEN
         if self.world_size == 1 or not is_elementwise(self.optimizer_class) or any(
                 not p.is_contiguous() for p in params) or layout.find_aliases(params):
@@ -241,17 +254,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 and all(p.is_contiguous() for p in params) and not layout.find_aliases(params))
 
     def hook_wants_even(self) -> None:
-        """(HookSeam) reduce_scatter_hook's first call: sharding="auto" becomes "even",
-        where every DDP bucket's reduce-scatter and the params' exchange are split evenly
-        over the ranks (measured no slower than param or flat with the hook: performance.md),
-        if nothing holds state yet (no step, no load: the same on every rank, both are
-        collective) and even takes these params. Before the first step DDP all-reduces its
-        first iteration's grads, so no grad was cut by the old partition."""
+        """(HookSeam) reduce_scatter_hook's first call: sharding="auto" becomes "even" when
+        the ranks span nodes, where every DDP bucket's reduce-scatter and the params'
+        exchange are then split evenly over the ranks' links (on a simulated cluster even +
+        hook took 1.1-1.2x DDP's iteration, param or flat + hook 1.8-2.3x; on one host, CPU
+        bound, flat + hook was faster: performance.md), if nothing holds state yet (no step,
+        no load: the same on every rank, both are collective) and even takes these params.
+        Before the first step DDP all-reduces its first iteration's grads, so no grad was
+        cut by the old partition."""
         if not self._auto_open:
             return
         self._auto_open = False
-        if (self.sharding == layout.EVEN or self._had_state or state.created_at_init(self)
-                or not self._even_accepted()):
+        if (self.sharding == layout.EVEN or not self._spans_nodes or self._had_state
+                or state.created_at_init(self) or not self._even_accepted()):
             return
         logger.info("zero_ext: sharding='auto' chose 'even' at reduce_scatter_hook's first "
                     "call (was %r)", self.sharding)

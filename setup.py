@@ -25,7 +25,7 @@ import importlib.util
 import os
 import site
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -103,7 +103,8 @@ setup(
     name="zero_ext",
     version="0.1.0",
     description="A faster, balanced drop-in for torch.distributed.optim.ZeroRedundancyOptimizer",
-    packages=["zero_ext", "zero_ext.kernels", "zero_ext.checkpoint", "zero_ext.integrations"],
+    # every subpackage (a list written by hand once left zero_ext.reduce_scatter out)
+    packages=find_packages(include=["zero_ext", "zero_ext.*"]),
     python_requires=">=3.9",
     # Same lists as requirements.txt / requirements-test.txt, without the torch pin (any
     # recent torch; the compiled ops are built against the one installed).

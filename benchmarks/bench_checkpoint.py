@@ -257,7 +257,8 @@ def main(argv=None) -> int:
     os.makedirs(args.dir, exist_ok=True)
     out = os.path.join(tmp, "result.json")
     try:
-        mp.spawn(worker, args=(args.world, args, os.path.join(tmp, "store"), out),
+        from common import spawned_rank
+        mp.spawn(spawned_rank, args=(worker, args.world, args, os.path.join(tmp, "store"), out),
                  nprocs=args.world, join=True)
         with open(out) as f:
             res = json.load(f)

@@ -37,7 +37,7 @@ import tempfile
 import time
 
 import common  # noqa: F401  (puts the repository root on sys.path)
-from common import print_table
+from common import print_table, spawned_rank
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,7 @@ def run_once(world: int, opts: dict, timeout: float) -> list:
     """One spawn of `world` fresh ranks; their reports, by rank. Raises on failure/timeout."""
     with tempfile.TemporaryDirectory(prefix="hook_memory_") as d:
         opts = dict(opts, dir=d, init="file://" + os.path.join(d, "store"))
-        ctx = mp.start_processes(worker, args=(world, opts), nprocs=world, join=False,
+        ctx = mp.start_processes(spawned_rank, args=(worker, world, opts), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

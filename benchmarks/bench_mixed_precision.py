@@ -91,7 +91,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import _zero_worker as zw  # noqa: E402
 import model_shapes  # noqa: E402
 from bench_zero_step import _free_port, _ours_importable, _prebuild  # noqa: E402
-from common import print_table  # noqa: E402
+from common import print_table, spawned_rank  # noqa: E402
 
 RUNS = ("convergence", "memory", "step", "clip")
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -165,7 +165,7 @@ def _spawn(fn, world: int, opts: dict) -> dict:
     fd, out = tempfile.mkstemp(prefix="mixed_precision_", suffix=".json")
     os.close(fd)
     try:
-        mp.spawn(fn, args=(world, dict(opts, port=_free_port()), out), nprocs=world, join=True)
+        mp.spawn(spawned_rank, args=(fn, world, dict(opts, port=_free_port()), out), nprocs=world, join=True)
         with open(out) as f:
             return json.load(f)
     finally:

@@ -440,8 +440,9 @@ def _spawn(world: int, opts: dict) -> dict:
     fd, out = tempfile.mkstemp(prefix="resident_memory_", suffix=".json")
     os.close(fd)
     try:
-        mp.spawn(worker, args=(world, dict(opts, port=_free_port()), out), nprocs=world,
-                 join=True)
+        from common import spawned_rank
+        mp.spawn(spawned_rank, args=(worker, world, dict(opts, port=_free_port()), out),
+                 nprocs=world, join=True)
         with open(out) as f:
             return json.load(f)
     finally:

@@ -72,7 +72,7 @@ import _zero_worker as zw  # noqa: E402
 import model_shapes  # noqa: E402
 from bench_checkpoint import _kb, _reset_peak  # noqa: E402  (VmRSS/VmHWM readers)
 from bench_zero_step import _free_port, _ours_importable, _prebuild  # noqa: E402
-from common import print_table  # noqa: E402
+from common import print_table, spawned_rank  # noqa: E402
 
 TARGET = 0.05  # issue 8: transient < 5% of model bytes
 TARGET_MODES = ("param", "flat")  # the modes with default flags the target is about
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     os.close(fd)
     t0 = time.perf_counter()
     try:
-        mp.spawn(worker, args=(args.world, opts, out), nprocs=args.world, join=True)
+        mp.spawn(spawned_rank, args=(worker, args.world, opts, out), nprocs=args.world, join=True)
         with open(out) as f:
             data = json.load(f)
     finally:

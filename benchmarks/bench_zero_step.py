@@ -73,7 +73,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import _zero_worker  # noqa: E402
-from common import print_table  # noqa: E402
+from common import print_table, spawned_rank  # noqa: E402
 import model_shapes  # noqa: E402
 
 CONFIGS = ("torch", "param", "flat")
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
         fd, out = tempfile.mkstemp(prefix=f"zero_step_w{world}_", suffix=".json")
         os.close(fd)
         t0 = time.perf_counter()
-        mp.spawn(_zero_worker.run, args=(world, opts, out), nprocs=world, join=True)
+        mp.spawn(spawned_rank, args=(_zero_worker.run, world, opts, out), nprocs=world, join=True)
         with open(out) as f:
             data = json.load(f)
         os.unlink(out)

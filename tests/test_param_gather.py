@@ -9,7 +9,7 @@ add_param_group, clip_grad_norm_, the next step, Join, zero_grad then forward, a
 user's own reads after opt.wait_for_params(). Each is checked by reading the params (or the
 forward's output) against the reference's stepped values, in every sharding mode, with and
 without reduce_scatter_hook, at worlds 2 and 3 and in a hybrid 2 x 2 layout; the exchange
-runs in gloo's form (a worker thread, two lanes of its own) and, forced, in NCCL's (every
+runs in gloo's form (a worker thread, on one lane of its own or two) and, forced, in NCCL's (every
 collective issued at the step, waited for by the forward's thread).
 """
 from __future__ import annotations
@@ -79,6 +79,8 @@ def _setup(rank, world, cfg):
                                   sharding=cfg["sharding"], overlap_param_gather=True, **HP)
     if cfg.get("hook"):
         cand.register_comm_hook(opt, reduce_scatter_hook)
+    if cfg.get("lane_vote_rank") == rank:  # this rank alone asks for a second lane
+        opt._param_gather.wants_more_lanes = lambda: True
     return (ref, o_ref), (cand, opt)
 
 
@@ -205,8 +207,10 @@ def _every_path(rank, world, cfg):
                                        msg=lambda m, name=name: f"after {name}: {m}")
     opt.wait_for_params()
     _close(cand.module, ref.module, "at the end")
+    gather = opt._param_gather
     return {"in_flight": in_flight, "param_wait": "param_wait" in opt.last_step_timings,
-            "params": [p.detach().clone() for p in cand.parameters()]}
+            "params": [p.detach().clone() for p in cand.parameters()],
+            "lanes": (gather.lane_count, len(gather.lanes or []))}
 
 
 def _same_everywhere(vals):
@@ -245,6 +249,61 @@ def test_nccl_form_on_gloo(sharding):
         vals = run_world(_every_path, 2, dict(sharding=sharding, hook=False, form="nccl",
                                              tmp=tmp))
     _same_everywhere(vals)
+
+
+def test_a_second_lane_is_taken_on_every_rank_when_one_rank_asks():
+    """Even mode at world 3 (all-gathers on the worker's lanes): one rank's forward fell
+    behind the exchange (its vote forced), so every rank takes a second lane at the same
+    step (agreed): a lane taken on one rank only would pair collectives that differ. Every
+    path then reads the stepped params, on every rank."""
+    with tempfile.TemporaryDirectory() as tmp:
+        vals = run_world(_every_path, 3, dict(sharding="even", hook=True, tmp=tmp,
+                                             lane_vote_rank=2))
+    _same_everywhere(vals)
+    assert [v["lanes"] for v in vals] == [(2, 2)] * 3, vals
+
+
+def test_lanes_follow_the_forward():
+    """The vote: one lane until the forward, after its first wait, still waited more than
+    2 ms and more than half the first wait, in BEHIND_STEPS exchanges in a row; never with
+    ZERO_EXT_GATHER_LANES set, nor for broadcasts (they take two lanes from the start)."""
+    from zero_ext import param_gather as pg
+
+    class _Zero:
+        last_step_timings: dict = {}
+
+    zero = _Zero()
+    g = pg.ParamGather(zero)
+    g.gathers = True
+
+    def exchange(first, later):
+        g.first_wait, g.waited = first, first + later
+        g._finished()
+
+    assert g.lane_count == 1 and not g.wants_more_lanes()
+    exchange(0.015, 0.001)        # kept up: later waits below 2 ms
+    exchange(0.015, 0.005)        # 5 ms late, but not half the first wait
+    assert g.behind_steps == 0
+    exchange(0.015, 0.020)
+    assert g.behind_steps == 1 and not g.wants_more_lanes()
+    exchange(0.015, 0.001)        # one exchange that kept up starts the count again
+    exchange(0.015, 0.020)
+    assert not g.wants_more_lanes()
+    exchange(0.001, 0.004)        # behind twice in a row
+    assert g.wants_more_lanes()
+    g.gathers = False
+    assert not g.wants_more_lanes()
+    g.gathers = True
+    saved, pg.GATHER_LANES = pg.GATHER_LANES, 1
+    try:
+        assert not g.wants_more_lanes()
+    finally:
+        pg.GATHER_LANES = saved
+    g.add_lane()
+    assert g.lane_count == 2 and g.behind_steps == 0
+    exchange(0.001, 0.5)
+    exchange(0.001, 0.5)
+    assert not g.wants_more_lanes() and g.lane_count == pg.MAX_LANES
 
 
 def _rank0_saves(rank, world, cfg):

@@ -16,7 +16,7 @@ the next forward instead of adding to the step.
   issue order, on its own stream) and a waiting forward's stream waits on the collective's
   event, not the host. On gloo at most one collective per lane may be in flight (several
   async ops on one gloo group can start in a different order on each rank), so a worker
-  thread issues them one after the other on two lanes of the optimizer's ranks made for
+  thread issues them one after the other on lanes (groups) of the optimizer's ranks made for
   this only (a rank whose main thread waits in another collective, such as DDP's buffer
   broadcast at the start of its forward, still completes the exchange that another rank
   waits for: rank 0 saving ``model.state_dict()`` after the step, say).
@@ -46,14 +46,26 @@ from .sync import LaneQueue, backend_device
 
 # How the exchange left in flight travels: "auto" is NCCL's form on NCCL (every collective
 # issued at the step on the optimizer's group, waited for by the forward's stream) and a
-# worker thread on two lanes of its own elsewhere; "nccl" forces NCCL's form on gloo, with
+# worker thread on lanes of its own elsewhere; "nccl" forces NCCL's form on gloo, with
 # one lane of its own per collective (one op in flight per gloo group), for tests
 # (ZERO_EXT_GATHER_FORM). Every rank must use the same.
 FORMS = ("auto", "nccl")
 FORM = os.environ.get("ZERO_EXT_GATHER_FORM", "auto")
-# Groups the worker thread's exchange travels on, one collective in flight on each (behind
-# netlab's links, world 4: one group waited 41 ms for the forward's first module, two 19)
-GATHER_LANES = int(os.environ.get("ZERO_EXT_GATHER_LANES", 2))  # (benchmarks: every rank alike)
+# Groups the worker thread's exchange travels on, one collective in flight on each.
+# Broadcasts (param and flat modes, even at world 2) take two, so that two owners send at
+# once. For all-gathers (even mode), which load every link, one lane gives each collective the links' full rate, so the forward's next module gets its
+# params soonest; a second hides a ring all-gather's per-hop latency behind another
+# collective, at half the rate each. Behind netlab's links, world 4 with 16 ms of compute
+# per layer: one lane 1.03x DDP (the forward waited for its first module only), two 1.07x
+# (two collectives sharing the links, the second module waited 20 ms); world 8, 44 ms per
+# layer: one lane 1.11x (seven hops per collective: the gathers fell behind the forward),
+# two 1.02x. So the exchange starts on one lane and takes a second, on every rank alike
+# (agreed at the step), once one lane fell behind the forward in BEHIND_STEPS exchanges in
+# a row. ZERO_EXT_GATHER_LANES=n fixes n lanes (benchmarks; every rank alike).
+_LANES_SET = os.environ.get("ZERO_EXT_GATHER_LANES")
+GATHER_LANES: int | None = int(_LANES_SET) if _LANES_SET else None
+MAX_LANES = 2
+BEHIND_STEPS = 2
 # Seconds the worker thread waits before each exchange it drives (tests: a read that did
 # not wait for the exchange then reads the old values, every time, not by chance)
 WORKER_DELAY_S = 0.0
@@ -186,7 +198,11 @@ class ParamGather:
         self.modules: "weakref.WeakSet" = weakref.WeakSet()  # hooks registered on them
         self._scanned: "weakref.WeakSet" = weakref.WeakSet()  # their trees searched
         self.lanes: list | None = None  # gloo: the exchange's own groups
+        self.lane_count = 1           # lanes for all-gathers (agreed: alike on every rank)
+        self.gathers = False          # (gloo) the last exchange was of all-gathers
         self.waited = 0.0             # seconds this rank blocked for the last step's gathers
+        self.first_wait: float | None = None  # of those, the forward's first wait
+        self.behind_steps = 0         # exchanges in a row that fell behind the forward
 
     # ------------------------------------------------------------------ the order
     @property
@@ -246,17 +262,25 @@ class ParamGather:
         self.unclaimed = set(unclaimed)
         self.positions = {pid: k for k, pid in enumerate(unclaimed + claimed)}
 
-    def transport(self, exchanger, items: int) -> tuple[list, bool]:
+    def transport(self, exchanger, items: int, gathers: bool) -> tuple[list, bool]:
         """(the groups the exchange travels on, whether at most one op per group may be in
         flight). On gloo they are groups of the optimizer's ranks made for it only (made at
         the first such step: collective over those ranks), so that nothing else ever issues
         on them, the main thread's collectives included; on NCCL the optimizer's own group
-        (a communicator runs its ops in issue order)."""
+        (a communicator runs its ops in issue order). All-gathers (`gathers`: every link
+        busy in each) take `lane_count` lanes; broadcasts (one owner's links busy in each)
+        MAX_LANES, so that two owners send at once."""
         if FORM not in FORMS:
             raise ValueError(f"ZERO_EXT_GATHER_FORM must be one of {FORMS}, got {FORM!r}")
         if exchanger.backend != "gloo":
             return [exchanger.group], False
-        want = items if FORM == "nccl" else GATHER_LANES
+        self.gathers = gathers
+        if FORM == "nccl":
+            want = items
+        elif GATHER_LANES:
+            want = GATHER_LANES
+        else:
+            want = self.lane_count if gathers else MAX_LANES
         if self.lanes is None:
             self.lanes = []
         while len(self.lanes) < want:
@@ -268,7 +292,7 @@ class ParamGather:
     def start(self, queue: LaneQueue, params_of_items: list) -> None:
         """The step's exchange, issued (NCCL) or handed to the worker thread (gloo)."""
         zero = self._zero()
-        self.queue, self.waited = queue, 0.0
+        self.queue, self.waited, self.first_wait = queue, 0.0, None
         if queue.size == 0:  # (nothing to exchange: no param stepped)
             self._finished()
             return
@@ -342,7 +366,10 @@ class ParamGather:
             queue.wait_finished(k)
         else:
             queue.complete_through(k)
-        self.waited += time.perf_counter() - t
+        dt = time.perf_counter() - t
+        self.waited += dt
+        if self.first_wait is None:
+            self.first_wait = dt
         if queue.done:
             self._finished()
 
@@ -351,8 +378,32 @@ class ParamGather:
         if self.queue is not None:
             self._wait_through(self.queue.size - 1)
 
+    # ------------------------------------------------------------------ lanes
+    def fell_behind(self) -> bool:
+        """Whether the forward, after its first wait (the first collective can only start
+        at the step), still waited for later collectives: more than 2 ms and more than half
+        the first wait. Then they arrive later than the forward needs them."""
+        first = self.first_wait or 0.0
+        late = self.waited - first
+        return late > 0.002 and late > 0.5 * first
+
+    def wants_more_lanes(self) -> bool:
+        """(this rank's vote at the step) One more lane would help: lanes not fixed by
+        ZERO_EXT_GATHER_LANES, fewer than MAX_LANES, and the last BEHIND_STEPS exchanges
+        fell behind the forward on this rank."""
+        return (GATHER_LANES is None and FORM != "nccl" and self.gathers
+                and self.lane_count < MAX_LANES and self.behind_steps >= BEHIND_STEPS)
+
+    def add_lane(self) -> None:
+        """(at a step, on every rank: the votes are agreed) The next exchanges use one lane
+        more (made, collectively, by transport())."""
+        self.lane_count = min(MAX_LANES, self.lane_count + 1)
+        self.behind_steps = 0
+
     def _finished(self) -> None:
         zero = self._zero()
+        if self.first_wait is not None:  # (a queue of no item finishes without a wait)
+            self.behind_steps = self.behind_steps + 1 if self.fell_behind() else 0
         if zero is not None:
             zero.last_step_timings["param_wait"] = self.waited
         self.queue = None

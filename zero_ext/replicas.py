@@ -284,7 +284,7 @@ class Replicas:
         if deferred is None:
             exchange(self.ex, messages, plan.element_view)
             return None
-        lanes, bounded = deferred.transport(self.ex, len(messages))
+        lanes, bounded = deferred.transport(self.ex, len(messages), gathers)
         queue = exchange(self.ex, messages, plan.element_view, lanes=lanes, defer=True,
                          bounded=bounded)
         return queue, [[pc[0] for pc in (m.params if gathers else m.pieces)]

@@ -198,12 +198,16 @@ class HookSeam:
         zero = self._zero()
         hp = hyperparameter_digest(zero.optim.param_groups)
         mask = hash(trainable) & ((1 << 62) - 1)
-        frozen, top, bottom, hp_top, hp_bottom = agree(
+        gather = zero._param_gather  # (overlap_param_gather: left in flight for the forward)
+        # (one more lane for the exchange in flight if any rank's forward fell behind it)
+        wider = int(gather is not None and gather.wants_more_lanes())
+        frozen, top, bottom, hp_top, hp_bottom, wider = agree(
             zero.process_group, zero.world_size, error, what,
-            (int(frozen_stepped), mask, -mask, hp, -hp))
+            (int(frozen_stepped), mask, -mask, hp, -hp, wider))
         check_same_mask(top, bottom, what)
         check_same_hyperparameters(hp_top, hp_bottom, what, stepped=True)
-        gather = zero._param_gather  # (overlap_param_gather: left in flight for the forward)
+        if wider:
+            gather.add_lane()
         if gather is not None:
             gather.agree_order()
         if gather is not None and gather.ready:

@@ -265,7 +265,8 @@ def test_a_second_lane_is_taken_on_every_rank_when_one_rank_asks():
 
 def test_lanes_follow_the_forward():
     """The vote: one lane until the forward, after its first wait, still waited more than
-    2 ms and more than half the first wait, in BEHIND_STEPS exchanges in a row; never with
+    2 ms and more than half the first wait, in BEHIND_STEPS exchanges in a row that a
+    forward consumed (one completed at once by wait_for_params does not count); never with
     ZERO_EXT_GATHER_LANES set, nor for broadcasts (they take two lanes from the start)."""
     from zero_ext import param_gather as pg
 
@@ -276,8 +277,8 @@ def test_lanes_follow_the_forward():
     g = pg.ParamGather(zero)
     g.gathers = True
 
-    def exchange(first, later):
-        g.first_wait, g.waited = first, first + later
+    def exchange(first, later, by_forward=True):
+        g.first_wait, g.waited, g.first_by_forward = first, first + later, by_forward
         g._finished()
 
     assert g.lane_count == 1 and not g.wants_more_lanes()
@@ -289,6 +290,8 @@ def test_lanes_follow_the_forward():
     exchange(0.015, 0.001)        # one exchange that kept up starts the count again
     exchange(0.015, 0.020)
     assert not g.wants_more_lanes()
+    exchange(0.030, 0.0, by_forward=False)  # completed by wait_for_params: not counted
+    assert g.behind_steps == 1
     exchange(0.001, 0.004)        # behind twice in a row
     assert g.wants_more_lanes()
     g.gathers = False

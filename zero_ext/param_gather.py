@@ -53,15 +53,16 @@ FORMS = ("auto", "nccl")
 FORM = os.environ.get("ZERO_EXT_GATHER_FORM", "auto")
 # Groups the worker thread's exchange travels on, one collective in flight on each.
 # Broadcasts (param and flat modes, even at world 2) take two, so that two owners send at
-# once. For all-gathers (even mode), which load every link, one lane gives each collective the links' full rate, so the forward's next module gets its
-# params soonest; a second hides a ring all-gather's per-hop latency behind another
-# collective, at half the rate each. Behind netlab's links, world 4 with 16 ms of compute
-# per layer: one lane 1.03x DDP (the forward waited for its first module only), two 1.07x
-# (two collectives sharing the links, the second module waited 20 ms); world 8, 44 ms per
-# layer: one lane 1.11x (seven hops per collective: the gathers fell behind the forward),
-# two 1.02x. So the exchange starts on one lane and takes a second, on every rank alike
-# (agreed at the step), once one lane fell behind the forward in BEHIND_STEPS exchanges in
-# a row. ZERO_EXT_GATHER_LANES=n fixes n lanes (benchmarks; every rank alike).
+# once. All-gathers (even mode) load every link: on one lane the collective the forward
+# needs next gets the links' full rate; a second lane hides a ring's per-hop latency behind
+# another collective, at half the rate each. Behind netlab's links, world 4 with 16 ms of
+# compute per layer: one lane 1.03x DDP (the forward waited for its first module only), two
+# 1.07x (two collectives sharing the links, the second module waited 20 ms); world 8, 44 ms
+# per layer: one lane 1.11x (seven hops per collective: the gathers fell behind the
+# forward), two 1.02x. So all-gathers start on one lane and take a second, on every rank
+# alike (agreed at the step), once one lane fell behind the forward in BEHIND_STEPS
+# exchanges in a row that a forward consumed. ZERO_EXT_GATHER_LANES=n fixes n lanes
+# (benchmarks; every rank alike).
 _LANES_SET = os.environ.get("ZERO_EXT_GATHER_LANES")
 GATHER_LANES: int | None = int(_LANES_SET) if _LANES_SET else None
 MAX_LANES = 2
@@ -201,7 +202,8 @@ class ParamGather:
         self.lane_count = 1           # lanes for all-gathers (agreed: alike on every rank)
         self.gathers = False          # (gloo) the last exchange was of all-gathers
         self.waited = 0.0             # seconds this rank blocked for the last step's gathers
-        self.first_wait: float | None = None  # of those, the forward's first wait
+        self.first_wait: float | None = None  # of those, the first wait
+        self.first_by_forward = False  # (and whether a forward waited it)
         self.behind_steps = 0         # exchanges in a row that fell behind the forward
 
     # ------------------------------------------------------------------ the order
@@ -333,7 +335,7 @@ class ParamGather:
         queue = self.queue
         if queue is not None and queue.finished <= self.first_end:
             # the forward's first module, whichever: params it reads outside module hooks
-            self._wait_through(self.first_end)
+            self._wait_through(self.first_end, by_forward=True)
         if not any(id(p) in self.ids for p in params):
             return
         self._hook_module(module)
@@ -343,7 +345,8 @@ class ParamGather:
         if need >= 0:
             # past its last param in the recorded order, the forward completes the rest
             # too (params it does not use): no rank's exchange outlives its forward
-            self._wait_through(self.queue.size - 1 if need >= self.order_end else need)
+            self._wait_through(self.queue.size - 1 if need >= self.order_end else need,
+                               by_forward=True)
 
     def _hook_module(self, module: torch.nn.Module) -> None:
         if module in self.modules:
@@ -359,7 +362,7 @@ class ParamGather:
         module.register_state_dict_pre_hook(wait)
         module.register_load_state_dict_pre_hook(wait)
 
-    def _wait_through(self, k: int) -> None:
+    def _wait_through(self, k: int, by_forward: bool = False) -> None:
         queue = self.queue
         t = time.perf_counter()
         if self.threaded:
@@ -369,7 +372,7 @@ class ParamGather:
         dt = time.perf_counter() - t
         self.waited += dt
         if self.first_wait is None:
-            self.first_wait = dt
+            self.first_wait, self.first_by_forward = dt, by_forward
         if queue.done:
             self._finished()
 
@@ -390,7 +393,7 @@ class ParamGather:
     def wants_more_lanes(self) -> bool:
         """(this rank's vote at the step) One more lane would help: lanes not fixed by
         ZERO_EXT_GATHER_LANES, fewer than MAX_LANES, and the last BEHIND_STEPS exchanges
-        fell behind the forward on this rank."""
+        that a forward consumed fell behind it on this rank."""
         return (GATHER_LANES is None and FORM != "nccl" and self.gathers
                 and self.lane_count < MAX_LANES and self.behind_steps >= BEHIND_STEPS)
 
@@ -402,7 +405,9 @@ class ParamGather:
 
     def _finished(self) -> None:
         zero = self._zero()
-        if self.first_wait is not None:  # (a queue of no item finishes without a wait)
+        # Only exchanges a forward consumed count (one completed at once by a state_dict,
+        # wait_for_params or the next step says nothing about the forward), in a row.
+        if self.first_wait is not None and self.first_by_forward:
             self.behind_steps = self.behind_steps + 1 if self.fell_behind() else 0
         if zero is not None:
             zero.last_step_timings["param_wait"] = self.waited

@@ -69,6 +69,9 @@ def _setup(rank, world, cfg):
     from zero_ext.ddp_zero_hook import reduce_scatter_hook
 
     param_gather.FORM = cfg.get("form", "auto")  # (a fresh process per world)
+    if cfg.get("even_exchange"):  # (all-gathers at world 2 too)
+        from zero_ext import sync
+        sync.EVEN_EXCHANGE = cfg["even_exchange"]
     # a read that did not wait would read the old values every time, not by chance
     param_gather.WORKER_DELAY_S = 0.05
     group = hybrid_groups(shard_size=2)[0] if cfg.get("hybrid") else None
@@ -261,6 +264,31 @@ def test_a_second_lane_is_taken_on_every_rank_when_one_rank_asks():
                                              lane_vote_rank=2))
     _same_everywhere(vals)
     assert [v["lanes"] for v in vals] == [(2, 2)] * 3, vals
+
+
+def _one_shard_group_widens(rank, world, cfg):
+    import torch.distributed as dist
+
+    out = _every_path(rank, world, cfg)
+    # a group over the whole job, made after one shard group took a second lane and the
+    # other did not: its ranks must name it alike (torch counts the groups each rank made)
+    job = dist.new_group(list(range(world)))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=job)
+    return {**out, "job_sum": t.item()}
+
+
+def test_a_lane_taken_by_one_shard_group_only_leaves_later_groups_working():
+    """Hybrid 2 x 2, the exchange by all-gathers (forced at a shard group of 2): rank 0's
+    vote widens its shard group {0, 1}, not {2, 3}. Both made their lanes at the same
+    step, so a group over the whole job made afterwards works."""
+    with tempfile.TemporaryDirectory() as tmp:
+        vals = run_world(_one_shard_group_widens, 4, dict(sharding="even", hook=True,
+                                                          hybrid=True, tmp=tmp,
+                                                          lane_vote_rank=0,
+                                                          even_exchange="gather"))
+    assert [v["lanes"] for v in vals] == [(2, 2), (2, 2), (1, 2), (1, 2)], vals
+    assert [v["job_sum"] for v in vals] == [4.0] * 4, vals
 
 
 def test_lanes_follow_the_forward():

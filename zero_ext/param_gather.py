@@ -285,7 +285,13 @@ class ParamGather:
             want = self.lane_count if gathers else MAX_LANES
         if self.lanes is None:
             self.lanes = []
-        while len(self.lanes) < want:
+        # All lanes are made at the first exchange, alike on every rank, though the second
+        # may be used only later: a group made at a step that differs between two shard
+        # groups (each votes alone) would leave torch's group counter, which names groups
+        # made with use_local_synchronization, different on their ranks, and a later
+        # new_group over both would hang.
+        build = want if FORM == "nccl" else max(want, MAX_LANES)
+        while len(self.lanes) < build:
             self.lanes.append(dist.new_group(exchanger.global_ranks, backend="gloo",
                                              use_local_synchronization=True))
         return self.lanes[:max(1, want)], FORM != "nccl"

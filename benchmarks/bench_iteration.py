@@ -170,7 +170,7 @@ import model_shapes  # noqa: E402
 from _zero_worker import BETAS, EPS, LR, WD, init_rank  # noqa: E402
 from bench_zero_step import _free_port, _prebuild  # noqa: E402
 from common import (CheckedCollectiveTrace, CollectiveTrace, critical_path,  # noqa: E402
-                    print_table, spawned_rank)
+                    exit_without_teardown, print_table, spawned_rank)
 
 MODES = ("ddp", "torch_zero", "zero_ext", "zero_ext_rs", "zero_ext_overlap")  # the default
 FSDP2_MODES = ("fsdp2", "fsdp2_reshard")  # on request (--modes): torch's fully_shard
@@ -1071,9 +1071,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    # a rank started by a launcher (--launcher env) leaves as common.spawned_rank does: the
-    # interpreter's teardown after gloo aborts now and then
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    exit_without_teardown(main())  # (a rank started by a launcher: --launcher env)

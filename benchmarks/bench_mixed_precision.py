@@ -165,7 +165,8 @@ def _spawn(fn, world: int, opts: dict) -> dict:
     fd, out = tempfile.mkstemp(prefix="mixed_precision_", suffix=".json")
     os.close(fd)
     try:
-        mp.spawn(spawned_rank, args=(fn, world, dict(opts, port=_free_port()), out), nprocs=world, join=True)
+        mp.spawn(spawned_rank, args=(fn, world, dict(opts, port=_free_port()), out),
+                 nprocs=world, join=True)
         with open(out) as f:
             return json.load(f)
     finally:

@@ -77,17 +77,23 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], reps: int = 10, warmu
             for k, v in times.items()}
 
 
-def spawned_rank(rank: int, body: Callable, *args) -> None:
-    """An ``mp.spawn`` target: ``body(rank, *args)``, then leave without the interpreter's
-    teardown. With torch 2.14 + gloo that teardown aborts now and then ("terminate called
-    without an active exception", SIGABRT, after destroy_process_group() too: gloo's worker
-    threads meet the finalizing interpreter; plain DDP does it as well), which mp.spawn
-    reports as a failed rank. The body has written its results by then. An exception
-    still propagates to mp.spawn as usual."""
-    body(rank, *args)
+def exit_without_teardown(rc: int) -> None:
+    """Leave a process that ran gloo collectives with exit status `rc`, once its results
+    are written, without the interpreter's teardown: with torch 2.14 + gloo that teardown
+    aborts now and then ("terminate called without an active exception", SIGABRT, after
+    destroy_process_group() too: gloo's worker threads meet the finalizing interpreter;
+    plain DDP does it as well)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(rc)
+
+
+def spawned_rank(rank: int, body: Callable, *args) -> None:
+    """An ``mp.spawn`` target: ``body(rank, *args)``, then :func:`exit_without_teardown`
+    (an abort in the teardown would make mp.spawn report a failed rank). An exception
+    still propagates to mp.spawn as usual."""
+    body(rank, *args)
+    exit_without_teardown(0)
 
 
 def copy_bandwidth(device="cpu", nbytes: int = 256 << 20, reps: int = 10) -> float:

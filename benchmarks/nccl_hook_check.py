@@ -263,9 +263,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    # leave without the interpreter's teardown, which after gloo aborts now and then (see
-    # common.spawned_rank); the results are written by then
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    from common import exit_without_teardown
+
+    exit_without_teardown(main())

@@ -8,14 +8,16 @@ import os
 from dataclasses import dataclass
 
 
-# Elements one all_to_all of the hook moves at most: a larger DDP bucket travels as several
+# Bytes one segment of the hook moves at most: a larger DDP bucket travels as several
 # segments, each taking its share of every rank's runs, so the scratch (a receive buffer
-# of world x this rank's share, a packed send buffer) stays bounded by the segments in
-# flight (one per lane), whatever bucket_cap_mb is. 4 MB: on the 33.6M-param MLP at world 2
-# the scratch is 13-18 MB per rank (27-36 MB with 8 MB segments, which measured 40-50 MB
-# more peak RSS for the hook in "even" mode).
+# of the other ranks' copies of this rank's share, a packed send buffer) stays bounded by
+# the segments in flight (one per lane), whatever bucket_cap_mb is. Each segment costs a
+# collective and its Python, so fewer are faster, at the price of the scratch: on the
+# 33.6M-param MLP over loopback at world 2, the hook over no hook took -0.07..+0.04 of
+# DDP's iteration with 8 MB (6 runs), against -0.02..+0.07 with 4 MB (4 runs), and 8 MB
+# kept its peak RSS within 55 MB of plain zero_ext (16 MB: up to +72; docs/performance.md).
 # ZERO_EXT_HOOK_SEGMENT_BYTES sets it (benchmarks; every rank alike).
-SEGMENT_BYTES = int(os.environ.get("ZERO_EXT_HOOK_SEGMENT_BYTES", 4 << 20))
+SEGMENT_BYTES = int(os.environ.get("ZERO_EXT_HOOK_SEGMENT_BYTES", 8 << 20))
 
 
 @dataclass

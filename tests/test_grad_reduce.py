@@ -238,6 +238,18 @@ def test_own_share_stays_home(world):
             assert all(c[3] or c in kept for c in owning), (rank, owning)
 
 
+def test_bf16_own_share_at_world_3():
+    """bf16 at world 3, in segments: each owner sums its own share (packed into the float32
+    scratch first) and the two others'; against the same bf16 model under DDP's all-reduce
+    (test_nccl_paths' same-precision reference), on every rank."""
+    from test_nccl_paths import _parity as same_precision_parity
+    from test_nccl_paths import _same_everywhere as same_on_every_rank
+
+    same_on_every_rank(run_world(same_precision_parity, 3, dict(
+        sharding="flat", dtype="bf16", hook=True, transport="all_to_all",
+        bucket_mb=0.00005)))
+
+
 def test_bf16_master_weights():
     """bf16 params + master weights: the owner sums the bf16 grads in float32; the params
     follow an fp32 AdamW on the averaged grads to bf16 rounding."""

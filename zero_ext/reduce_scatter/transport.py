@@ -12,7 +12,8 @@ in which order, into which scratch.
 - Consecutive segments alternate between the exchange's lanes, at most one in flight per
   lane; the scratch is kept per lane from one segment and one iteration to the next (on
   the CPU in mappings of its own, outside malloc's heap).
-- On the all_to_all a rank's own share does not travel: the sum reads it in the bucket.
+- On the all_to_all a rank's own share does not travel (but where the send is a slice of
+  the bucket with the share in its middle): the sum reads it in the bucket.
 """
 # (no `from __future__ import annotations`: kept alike with the hook's module)
 import itertools
@@ -75,11 +76,16 @@ class Transfers:
         # iteration costs its page faults every time: on gloo, 2 ranks, 33.6M fp32
         # elements, a reduce-scatter took 105 ms with kept buffers, 200-265 ms with fresh)
         self.scratch: dict = {}
+        # Buffers the scratch outgrew, kept until the next step: a finished collective's
+        # work may still hold views of them on the backend's thread, which must not be the
+        # one to free them (freeing a mapped buffer takes the GIL)
+        self.outgrown: list = []
 
     def restart(self) -> None:
         """At a step: no transfer is in flight (DDP waited for every one before its
         backward returned); the next backward issues afresh."""
         self.seq, self.ordered, self.in_flight = 0, _InOrder(), {}
+        self.outgrown = []
 
     def reduce(self, buf: torch.Tensor, segments: list) -> torch.futures.Future:
         """The future of `buf` (a DDP bucket) once every segment's owned sum is in it."""
@@ -293,6 +299,8 @@ class Transfers:
         key = (lane, name, dtype, like.device)
         buf = self.scratch.get(key)
         if buf is None or buf.numel() < n:
+            if buf is not None:
+                self.outgrown.append(buf)
             buf = self.scratch[key] = (_mapped_empty(n, dtype) if like.device.type == "cpu"
                                        else torch.empty(n, dtype=dtype, device=like.device))
         return buf[:n]
@@ -307,7 +315,9 @@ def _mapped_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
     at world 2 with 8 MB segments, 6 repeats: peak RSS over plain zero_ext +13..+78 MB in
     the heap, -22..+55 mapped. The mapping is freed (munmap) with the last tensor viewing it."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    pages = mmap.mmap(-1, max(n, 1) * itemsize)  # zero pages, touched only when written
+    # (private: a forked child writes its own copy, as with malloc's memory; zero pages,
+    # touched only when written)
+    pages = mmap.mmap(-1, max(n, 1) * itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype)[:n]
 
 

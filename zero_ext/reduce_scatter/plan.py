@@ -14,8 +14,8 @@ from dataclasses import dataclass
 # the segments in flight (one per lane), whatever bucket_cap_mb is. Each segment costs a
 # collective and its Python, so fewer are faster, at the price of the scratch: on the
 # 33.6M-param MLP over loopback at world 2, the hook over no hook took -0.07..+0.04 of
-# DDP's iteration with 8 MB (6 runs), against -0.02..+0.07 with 4 MB (4 runs), and 8 MB
-# kept its peak RSS within 55 MB of plain zero_ext (16 MB: up to +72; docs/performance.md).
+# DDP's iteration with 8 MB (8 runs), against -0.02..+0.07 with 4 MB (4 runs), and 8 MB
+# kept its peak RSS within 57 MB of plain zero_ext (16 MB: up to +72; docs/performance.md).
 # ZERO_EXT_HOOK_SEGMENT_BYTES sets it (benchmarks; every rank alike).
 SEGMENT_BYTES = int(os.environ.get("ZERO_EXT_HOOK_SEGMENT_BYTES", 8 << 20))
 

@@ -312,8 +312,9 @@ def _mapped_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
     `zero_grad(set_to_none=True)` frees and backward allocates again each iteration, and
     pinned the heap's memory around it (glibc's dynamic mmap threshold puts blocks below
     the largest one freed, 16 MB weight grads here, in the heap). Measured on the 33.6M MLP
-    at world 2 with 8 MB segments, 6 repeats: peak RSS over plain zero_ext +13..+78 MB in
-    the heap, -22..+55 mapped. The mapping is freed (munmap) with the last tensor viewing it."""
+    at world 2 with 8 MB segments: peak RSS over plain zero_ext +13..+78 MB in the heap (6
+    repeats), -22..+57 mapped (9). The mapping is freed (munmap) with the last tensor
+    viewing it."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     # (private: a forked child writes its own copy, as with malloc's memory; zero pages,
     # touched only when written)

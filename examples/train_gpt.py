@@ -45,10 +45,11 @@ reference the other modes match.
 
 Printed: after the first step, per rank, the bytes per param this rank holds (its params, their
 grads and every tensor of its optimizer state, masters included, measured from the tensors and
-divided by the model's param count); loss and lr every --log-every steps, mean step time and
-mean optimizer-step time, and per rank the optimizer-state memory (bytes of the tensors in
-opt.optim.state) and the number of parameter elements whose state the rank holds
-(opt.local_numel).
+divided by the model's param count); every --log-every steps the loss (the mean over ranks and
+over the steps since the last line, so a resumed run's first lines differ from an uninterrupted
+run's though its weights are the same) and lr, mean step time and mean optimizer-step time, and
+per rank the optimizer-state memory (bytes of the tensors in opt.optim.state) and the number of
+parameter elements whose state the rank holds (opt.local_numel).
 """
 from __future__ import annotations
 
@@ -283,7 +284,9 @@ def main(argv=None) -> int:
                          "embeddings get none)")
     ap.add_argument("--warmup", type=int, default=30,
                     help="linear warmup steps before the cosine decay")
-    ap.add_argument("--log-every", type=int, default=25, help="print loss and lr every N steps")
+    ap.add_argument("--log-every", type=int, default=25,
+                    help="print the loss (mean over ranks and over the steps since the "
+                         "last line) and lr every N steps")
     ap.add_argument("--seed", type=int, default=0, help="random seed (model and data)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cpu uses gloo, cuda uses nccl with one GPU per rank")

@@ -222,20 +222,28 @@ def test_own_share_stays_home(world):
     """A rank's own share of a segment is summed where it lies in the bucket, not sent to
     itself (the scratch holds only the other ranks' copies): every hook all_to_all sends
     this rank nothing of its own, but where the send is a slice of the bucket with the own
-    share in the middle (world 3, rank 1); the params still match DDP + AdamW. bf16 (its
-    own share summed in float32 scratch) at world 2 only: at world 3 this test's float32
-    reference's grad norm drifts 8% from bf16's, the same before the own share stayed home."""
+    share in the middle (world 3, rank 1: then exactly its share, to itself); the params
+    still match DDP + AdamW. Param mode at world 3 has both kinds of segment on rank 1.
+    bf16 (its own share summed in float32 scratch) at world 2 only: at world 3 this test's
+    float32 reference's grad norm drifts 8% from bf16's, the same before the own share
+    stayed home."""
     bf16 = dict(dtype=torch.bfloat16, tol=dict(atol=2e-2, rtol=2e-2), norm_rtol=5e-2)
-    for cfg in (dict(sharding="even", clip=True, segment_bytes=256),
-                dict(sharding="flat", clip=True, segment_bytes=256,
-                     **(bf16 if world == 2 else {}))):
+    cfgs = [dict(sharding="even", clip=True, segment_bytes=256),
+            dict(sharding="flat", clip=True, segment_bytes=256, **(bf16 if world == 2 else {}))]
+    if world == 3:
+        cfgs.append(dict(sharding="param", clip=True))
+    for cfg in cfgs:
         results = run_world(_own_share_calls, world, cfg)
         _same_everywhere([params for params, _ in results])
         for rank, (_, seen) in enumerate(results):
             owning = [c for c in seen if c[2] > 0]  # (a share of the segment is this rank's)
             kept = [c for c in owning if c[0] == 0 and c[1] == 0]
             assert kept, f"rank {rank} sent its own share in every all_to_all: {owning[:4]}"
-            assert all(c[3] or c in kept for c in owning), (rank, owning)
+            travelled = [c for c in owning if c not in kept]
+            # only a middle rank's in-place send carries its share, and exactly that
+            assert all(c[3] and c[0] == c[1] == c[2] for c in travelled), (rank, travelled)
+            if cfg["sharding"] == "param" and 0 < rank < world - 1:
+                assert travelled, f"rank {rank}: the in-place middle send was not exercised"
 
 
 def test_bf16_own_share_at_world_3():

@@ -389,12 +389,15 @@ def run_script(spec, ctx: Ctx):
                                                        ctx.rank == rank)
             cand.opt.wait_for_params()  # (overlap_param_gather: the last step's exchange)
             before = [p.detach().clone() for p in cand.params()]
+            logged = dict(cand.grad_ema), list(cand.grad_norms)
             expect = _expect(spec, ev, ctx.rank)
             try:
                 _iteration(cand, it, ev, ctx)
                 raised = None
             except Exception as exc:  # noqa: BLE001 - compared with the expectation below
                 raised = f"{type(exc).__name__}: {exc}"
+                # (the grads it read before raising: the reference skips this iteration)
+                cand.grad_ema, cand.grad_norms = logged
             outcomes.append("ok" if raised is None else "raised")
             where = f"iteration {it} ({ev})"
             if raised is None and expect == "raise":

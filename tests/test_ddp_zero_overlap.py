@@ -66,8 +66,29 @@ def _hook_ctor(interleaved):
     return hook_with_zero_step_interleaved if interleaved else hook_with_zero_step
 
 
+class _DoneOnSecondLook(torch.futures.Future):
+    """A hook's future whose done() answers False the first time it is asked: as one whose
+    all-reduce completes (on gloo's thread) between two looks of the interleaved hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.looked = False
+
+    def done(self):
+        if not self.looked:
+            self.looked = True
+            return False
+        return super().done()
+
+
+def _done_on_second_look(state, bucket):
+    inner, out = allreduce_hook(state, bucket), _DoneOnSecondLook()
+    inner.add_done_callback(lambda f: out.set_result(f.value()))
+    return out
+
+
 def _parity(ctx, opt_name, interleaved, gabv, static, shard_buckets, sharding, bv,
-            grouped=False, strided=False):
+            grouped=False, strided=False, hook=allreduce_hook):
     from zero_ext import ZeroRedundancyOptimizer
 
     cls, kw = getattr(torch.optim, opt_name), KW[opt_name]
@@ -80,7 +101,7 @@ def _parity(ctx, opt_name, interleaved, gabv, static, shard_buckets, sharding, b
 
     def counting_allreduce(state, bucket):
         buckets.append(bucket.index())
-        return allreduce_hook(state, bucket)
+        return hook(state, bucket)
 
     ddp_overlap.register_comm_hook(ctx.pg, _hook_ctor(interleaved)(
         counting_allreduce, ddp_overlap, zero, shard_buckets=shard_buckets))
@@ -146,6 +167,12 @@ for _opt, _il, _gabv in (("SGD", False, False), ("AdamW", True, True)):
     _register(f"strided_{_opt}_{'interleaved' if _il else 'hook'}_gabv{int(_gabv)}",
               opt_name=_opt, interleaved=_il, gabv=_gabv, static=False, shard_buckets=False,
               sharding="param", bv=False, strided=True)
+
+
+# every bucket stepped once, whenever its future says it is done
+_register("AdamW_interleaved_done_on_second_look", opt_name="AdamW", interleaved=True,
+          gabv=False, static=False, shard_buckets=False, sharding="flat", bv=False,
+          hook=_done_on_second_look)
 
 
 # ------------------------------------------------------------------ issue 23: seams

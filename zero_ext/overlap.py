@@ -173,11 +173,18 @@ class BucketStepper:
                 item[2].wait()
             self._step(self.pending)
             self.pending = []
+            if self.error is None and sorted(self.stepped) != list(range(bucket.index() + 1)):
+                self.error = RuntimeError(  # (raised on every rank by _finish_iteration)
+                    f"zero_ext {_FLAG}: DDP's buckets were stepped as {sorted(self.stepped)}, "
+                    f"not each of 0..{bucket.index()} once")
             self._finish_iteration()
         elif self.interleaved:
-            done = [item for item in self.pending if item[2].done()]
+            # one look at each future: one that completes meanwhile (on gloo's thread) must
+            # land in exactly one of the two lists, or its bucket would never be stepped
+            ready = [item[2].done() for item in self.pending]
+            done = [item for item, r in zip(self.pending, ready) if r]
             if done:
-                self.pending = [item for item in self.pending if not item[2].done()]
+                self.pending = [item for item, r in zip(self.pending, ready) if not r]
                 self._step(done)
         return fut
 
@@ -255,7 +262,9 @@ class BucketStepper:
             for src in self.sources:
                 src.grad = None
             for b, bucket, fut in items:
-                self._set_grads(b, bucket, fut.value())
+                # wait(), not value(): on CUDA a done() future's all-reduce may still be
+                # running; wait() makes this stream wait for it (free once done on gloo)
+                self._set_grads(b, bucket, fut.wait())
             zero = self.zero
             if self.fused:
                 self.engine.step(zero.optim.param_groups, zero.optim.state, self.layout)

@@ -505,3 +505,52 @@ def test_params_read_where_no_module_hook_of_theirs_waits(variant, world, form):
     # (width 640: b's weight, 1.6 MB, travels in a collective of its own)
     run_world(_reads_around, world, dict(variant=variant, width=640, form=form,
                                         sharding="even"))
+
+
+def _staging_lifetimes(rank, world, cfg):
+    """The NCCL form (every collective issued at the step, each with its own staging):
+    after the forward needed the first items, their staging is gone while the rest of the
+    exchange is still in flight (held to the end, it added up to a third or more of the
+    params' bytes in even mode at world 4)."""
+    import gc
+    import weakref
+
+    from zero_ext import replicas, sync
+
+    replicas.DEFERRED_PACK_BYTES = 64  # (a fresh process: several collectives in flight)
+    made = []
+    real = sync._staging
+
+    def spy(kept, key, n, dtype, device):
+        buf = real(kept, key, n, dtype, device)
+        if kept is None:
+            made.append(weakref.ref(buf))
+        return buf
+
+    sync._staging = spy
+    (ref, o_ref), (cand, opt) = _setup(rank, world, cfg)
+    checked = 0
+    for it in range(4):
+        _train(rank, (ref, o_ref), it)
+        made.clear()
+        _train(rank, (cand, opt), it)
+        queue = opt._param_gather.queue
+        if queue is None:  # (the first steps record the forward's order of use)
+            continue
+        checked += 1
+        assert not queue.done and len(made) >= 2, (len(made), queue.size)
+        queue.complete_through(0)  # (as the first module's forward does)
+        gc.collect()
+        alive = [r() is not None for r in made]
+        assert not all(alive), "no staging was freed once its collective finished"
+        assert any(alive), "the staging of collectives still in flight was freed"
+        opt.wait_for_params()
+        gc.collect()
+        assert not any(r() is not None for r in made), "staging outlived its exchange"
+        _close(cand.module, ref.module, f"iteration {it}")
+    assert checked >= 2, checked
+    return True
+
+
+def test_nccl_form_frees_each_staging_once_finished():
+    run_world(_staging_lifetimes, 3, dict(sharding="even", form="nccl"))

@@ -6,7 +6,9 @@ Two forms of exchange:
 - no bucket views: the params keep their own memory, and the exchange moves each owner's
   pieces straight into them (`exchange_pieces`). A piece of at least STAGING_BYTES is
   broadcast in place; smaller ones are packed into a staging buffer of that size, one per
-  message in flight, so the step's transient memory is a small constant, not a model copy.
+  message in flight, so the step's transient memory is a small constant, not a model copy
+  (an exchange left in flight on NCCL issues every message at once, each with its own
+  staging, freed as the next forward uses it: LaneQueue, `_staging`).
 
 All transport is torch.distributed. Choice of collective per backend, from measurement
 (2 ranks, 62M fp32 elements each): on gloo one broadcast per rank range beats
@@ -227,6 +229,27 @@ def plan_messages(buckets, world: int, active: Callable[[int], bool],
     return out
 
 
+def _staging(kept: dict | None, key, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """n elements of staging for one collective. Bounded queues keep one buffer per `key`
+    (lane, device, dtype), grown to its largest message and reused once the lane's last
+    collective finished; an unbounded queue's items are all in flight at once, so each gets
+    its own (`kept` None), freed once finished rather than held until the whole exchange
+    ends (on NCCL every item of an exchange left in flight is issued at the step)."""
+    if kept is None:
+        return torch.empty(n, dtype=dtype, device=device)
+    if key not in kept or kept[key].numel() < n:
+        kept[key] = torch.empty(n, dtype=dtype, device=device)
+    return kept[key][:n]
+
+
+def _used_here(buf: torch.Tensor) -> None:
+    """A CUDA buffer finished on this thread's current stream (a forward may run on another
+    stream than the step that allocated it): its memory is not reused before that stream
+    is done with it."""
+    if buf.is_cuda:
+        buf.record_stream(torch.cuda.current_stream(buf.device))
+
+
 class LaneQueue:
     """The collectives of one exchange, issued in order, item i on lane i % len(lanes).
 
@@ -336,6 +359,7 @@ def exchange_pieces(ex: Exchanger, messages: list[Message],
         return out
 
     def finish(m: Message, buf: torch.Tensor) -> None:
+        _used_here(buf)
         if m.owner != ex.rank:
             if m.direct:
                 target = view_of(*m.pieces[0])
@@ -352,10 +376,8 @@ def exchange_pieces(ex: Exchanger, messages: list[Message],
                 buf = buf.contiguous()
             buf = buf.view(-1)
         else:
-            key = (slot, m.device, m.dtype)  # (grown to the slot's largest message)
-            if key not in staging or staging[key].numel() < m.numel:
-                staging[key] = torch.empty(m.numel, dtype=m.dtype, device=m.device)
-            buf = staging[key][:m.numel]
+            buf = _staging(staging if bounded else None, (slot, m.device, m.dtype), m.numel,
+                           m.dtype, m.device)
             if m.owner == ex.rank:
                 kernels.flatten_into([view_of(*pc) for pc in m.pieces], buf, offsets(m))
         work = dist.broadcast(wire_view(buf, ex.backend), src=ex.global_ranks[m.owner],
@@ -474,6 +496,7 @@ def exchange_gathers(ex: Exchanger, gathers: list[Gather],
     staging: dict = {}
 
     def finish(g: Gather, recv: torch.Tensor) -> None:
+        _used_here(recv)
         if g.direct:
             return
         # Per param, its chunks sit in column block [off, off + chunk) of the (world, size)
@@ -507,12 +530,9 @@ def exchange_gathers(ex: Exchanger, gathers: list[Gather],
             lo, hi = ranges[me]
             send, recv = full[lo:hi], full
         else:
-            key = (slot, g.device, g.dtype)
-            buf = staging.get(key)
-            if buf is None or buf.numel() < (world + 1) * g.size:
-                buf = staging[key] = torch.empty((world + 1) * g.size, dtype=g.dtype,
-                                                 device=g.device)
-            send, recv = buf[:g.size], buf[g.size:(world + 1) * g.size]
+            buf = _staging(staging if bounded else None, (slot, g.device, g.dtype),
+                           (world + 1) * g.size, g.dtype, g.device)
+            send, recv = buf[:g.size], buf[g.size:]
             srcs, offs = [], []
             for pid, ranges, off in g.params:
                 lo, hi = ranges[me]

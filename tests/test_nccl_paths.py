@@ -197,8 +197,8 @@ def test_reduce_scatter_transport_hybrid(dtype):
 def test_even_exchange_gathers_in_place_and_packed(world, hook):
     """NCCL's all-gathers at any world (gloo takes broadcasts at world 2), with the in-place
     threshold low enough for these params: params whose chunks are equal and in rank order
-    are gathered straight into their memory, the rest (the even plan rotates each param's
-    first owner) packed. Both must give every rank every update."""
+    are gathered straight into their memory, the rest (the even plan rotates the first
+    owner of each param whose chunks are unequal) packed. Both must give every rank every update."""
     counts = _same_everywhere(run_world(_parity, world, dict(
         sharding="even", hook=hook, even_exchange="gather", direct_gather_bytes=64)))
     for c in counts:

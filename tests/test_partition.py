@@ -213,3 +213,33 @@ def test_opcheck():
     groups = torch.tensor([0, 0, 1, 1, 1, 1], dtype=torch.int64)
     torch.library.opcheck(torch.ops.zero_ext.assign_params.default, (numels, groups, 2))
     torch.library.opcheck(torch.ops.zero_ext.flat_offsets.default, (numels, 2, 4))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_even_mode_chunks(world):
+    """Even mode: every param cut into `world` chunks of ceil(n / world) that cover it once.
+    Where the chunks are all equal, rank r holds the r-th (an all-gather or reduce-scatter
+    then works in the param's own memory); elsewhere the first owner rotates with the param,
+    so that the short chunks do not all land on the last ranks."""
+    from zero_ext.layout import even_mode_buckets
+
+    rng = random.Random(world)
+    numels = [rng.choice([1, 2, 3, 5, 7, 768, 2304, 3072, 768 * 768, 768 * 3072 + 1, 101])
+              for _ in range(200)]
+    params = [torch.empty(n, device="meta") for n in numels]
+    buckets = even_mode_buckets(params, list(range(len(params))), world)
+    short = [0] * world  # per rank: chunks shorter than their param's full chunk
+    for pid, (b, n) in enumerate(zip(buckets, numels)):
+        c = -(-n // world)
+        ranges = b.rank_ranges
+        assert b.param_ids == [pid] and b.numel == n
+        assert sorted(ranges) == [(min(j * c, n), min((j + 1) * c, n)) for j in range(world)]
+        if n % world == 0:
+            assert ranges == [(r * c, (r + 1) * c) for r in range(world)], (n, ranges)
+        else:
+            for r, (lo, hi) in enumerate(ranges):
+                short[r] += hi - lo < c
+    unequal = sum(n % world != 0 for n in numels)
+    assert unequal > world
+    # each rank takes about its share of the short chunks, not the last rank all of them
+    assert max(short) - min(short) <= max(2, unequal // world), short

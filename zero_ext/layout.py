@@ -10,7 +10,7 @@ A bucket is one flat buffer per (device, dtype) of the params added in one const
 - "flat" mode: the bucket is in global param order and cut into equal ranges, so params may
   straddle ranks. Balance is total/world, whatever the largest param.
 - "even" mode: every param is a bucket of its own, cut into `world` equal ranges (the last
-  ones shorter, which rank takes which chunk rotating with the param's index), so every
+  ones shorter, which rank takes which chunk then rotating with the param's index), so every
   rank owns 1/world of every param: any set of params (a DDP bucket) is split evenly over
   the ranks, up to one element per param, and so are the collectives that move it.
 The sync exchanges each rank's range; the optimizer steps its own.
@@ -113,17 +113,21 @@ def flat_mode_buckets(params, ids, world) -> list[Bucket]:
 
 def even_mode_buckets(params, ids, world) -> list[Bucket]:
     """One bucket per param of `ids`, cut into `world` chunks of ceil(n / world) elements
-    (the last ones shorter or empty). Param i's chunk j goes to rank (i + j) % world: the
-    short chunks rotate over the ranks instead of always landing on the last ones. No
-    alignment padding (the pieces are views of the params' own memory)."""
+    (the last ones shorter or empty). Equal chunks go to the ranks in order; otherwise
+    param i's chunk j goes to rank (i + j) % world, so that the short chunks rotate over
+    the ranks instead of always landing on the last ones. No alignment padding (the pieces
+    are views of the params' own memory)."""
     buckets = []
     for pid in ids:
         p = params[pid]
         n = p.numel()
         c = -(-n // world)
+        # Equal chunks stay in rank order: the r-th of W equal blocks is where an all-gather
+        # or a reduce-scatter puts rank r's, so the param is exchanged in its own memory.
+        first = 0 if n % world == 0 else pid % world
         ranges = [(0, 0)] * world
         for j in range(world):
-            ranges[(pid + j) % world] = (min(j * c, n), min((j + 1) * c, n))
+            ranges[(first + j) % world] = (min(j * c, n), min((j + 1) * c, n))
         buckets.append(Bucket(p.device, p.dtype, [pid], [0], [n], ranges, n))
     return buckets
 

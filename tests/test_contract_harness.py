@@ -703,12 +703,8 @@ class _Run:
         path = self._path("ckpt")
         checkpoint.save(self.opt, path)
         if fresh:  # a new optimizer over the same params (a resumed job), loads it
-            # A resumed job has no grads yet. (A stale grad clipped by the old optimizer
-            # would be stepped unclipped by the new one: clips apply inside the step of the
-            # optimizer that made them, and torch's scaled the grad in place; usage.md.)
-            for ps in (self.pz, self.pr):
-                for p in ps:
-                    p.grad = None
+            # (stale grads stay: one clipped by the old optimizer is stepped clipped by the
+            # new one, as torch's clip left it scaled in place)
             groups = [{**{k: v for k, v in zg.items() if k != "params"},
                        "params": [self.pz[i] for i in g["idx"]]}
                       for zg, g in zip(self.opt.param_groups, self.groups)]

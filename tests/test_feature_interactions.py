@@ -130,6 +130,70 @@ def test_unfreezing_between_clip_and_step_keeps_the_clip(world, cls_name, mode, 
     _check(world.values(name))
 
 
+def _rebuilt_over_clipped_grads(ctx, cls_name, mode, frozen):
+    """A training phase that ends with a clipped step and rebuilds the optimizer (new
+    hyperparameters) without zeroing the grads: the new one steps those grads clipped, as
+    a torch optimizer finds them after torch's clip. With `frozen`, one param is frozen
+    and keeps its stale clipped grad for the new optimizer; the others get new grads."""
+    from zero_ext import FusedAdamW
+
+    cls, hp = CLASSES[cls_name]
+    pz, pr = _twins(seed=31)
+    opt, ref = _zero(pz, cls, ctx.pg, **MODES[mode], **hp), cls(pr, **hp)
+    _grads(pz, 0, seed=5)  # (norm ~20: the clip scales)
+    _copy_grads(pr, pz)
+    opt.clip_grad_norm_(0.5)
+    torch.nn.utils.clip_grad_norm_(pr, 0.5)
+    opt.step()
+    ref.step()
+    if frozen:
+        for ps in (pz, pr):
+            ps[0].requires_grad_(False)
+        stale = pr[0].grad  # (the reference's: clipped in place by torch)
+        _grads(pz, 1, seed=5)  # new grads for the trainable params
+        _copy_grads(pr, pz)
+        pr[0].grad = stale
+    hp2 = dict(hp, lr=hp["lr"] * 0.5)
+    opt, ref = _zero(pz, cls, ctx.pg, **MODES[mode], **hp2), cls(pr, **hp2)
+    opt.step()
+    ref.step()
+    single = None
+    if ctx.world_size == 1 and cls_name == "adamw":  # FusedAdamW rebuilt the same way
+        pf = [p.detach().clone().requires_grad_() for p in pr]
+        q = [p.detach().clone().requires_grad_() for p in pr]
+        for a, b in ((pf, FusedAdamW), (q, AdamW)):
+            _grads(a, 0, seed=5)
+            o = b(a, **hp)
+            if b is FusedAdamW:
+                o.clip_grad_norm_(0.5)
+            else:
+                torch.nn.utils.clip_grad_norm_(a, 0.5)
+            o.step()
+            b(a, **hp2).step()
+        single = (detached(pf), detached(q))
+    return _out(pz, pr, single=single)
+
+
+for _cls in CLASSES:
+    for _mode in ("param", "flat"):
+        for _frozen in (False, True):
+            _register(f"rebuilt_over_clipped_{_cls}_{_mode}" + ("_frozen" if _frozen else ""),
+                      _rebuilt_over_clipped_grads, _cls, _mode, _frozen)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["all_stale", "frozen_stale"])
+@pytest.mark.parametrize("mode", ["param", "flat"])
+@pytest.mark.parametrize("cls_name", list(CLASSES))
+def test_optimizer_rebuilt_over_clipped_grads_steps_them_clipped(world, cls_name, mode,
+                                                                 frozen):
+    vals = world.values(f"rebuilt_over_clipped_{cls_name}_{mode}"
+                        + ("_frozen" if frozen else ""))
+    _check(vals)
+    for v in vals:
+        if v["single"] is not None:
+            assert_params_close(v["single"][0], v["single"][1], what="FusedAdamW", **TOL)
+
+
 def _add_group_between_clip_and_step(ctx, cls_name, mode, first_step):
     """clip over the params the optimizer has, add_param_group (params that hold grads of
     their own, never clipped), step: the clip applies to exactly the clipped grads. With

@@ -243,6 +243,7 @@ class FusedAdamW(torch.optim.Optimizer):
         :meth:`step` (the ``.grad`` tensors are not modified)."""
         max_norm, norm_type = grad_norm.validate(max_norm, norm_type)
         grads = [p.grad for p in self._params()]
+        self._clip = grad_norm.with_carried(self._clip, grads)
         # a clip of some of these grads still pending counts, per grad (clipping twice)
         prior = self._clip.factors(grads, for_clip=True) if self._clip else None
         present = [i for i, g in enumerate(grads) if g is not None]
@@ -280,8 +281,8 @@ class FusedAdamW(torch.optim.Optimizer):
                 self._clip_after_step()
                 return loss
             found_inf = None
-        pending = self._clip
         params = self._params()
+        pending = self._clip = grad_norm.with_carried(self._clip, [p.grad for p in params])
         stepped = [i for i, p in enumerate(params) if p.grad is not None] if pending else ()
         with grad_norm.applied(pending, params, stepped) as clip:
             self._engine.step(self.param_groups, self.state,

@@ -195,13 +195,45 @@ class PendingClip:
 
     def after_step(self, grads: Sequence[Optional[Tensor]]) -> Optional["PendingClip"]:
         """What remains after a step applied these factors: the grads still in place, as
-        clipped grads of an earlier step (see the class docstring); None if none is."""
+        clipped grads of an earlier step (see the class docstring); None if none is. They
+        are also left with the grads themselves (`with_carried`)."""
         kept = {}
         for i, (ref, _version, factor, _applied) in self.entries.items():
             g = grads[i] if i < len(grads) else None
             if g is not None and ref() is g:
                 kept[i] = (ref, g._version, factor, True)
+                _carry(g, factor)
         return PendingClip(kept) if kept else None
+
+
+# The factors that clipped grads carry past the step that applied them, by the grad's id
+# (each entry dies with its grad): an optimizer built later over the same params, which
+# would find torch's clip in the grads' values, finds it here (a phase of training that
+# rebuilds the optimizer without zeroing the grads first).
+_CARRIED: dict = {}
+
+
+def _carry(g: Tensor, factor: Tensor) -> None:
+    key = id(g)
+    ref = weakref.ref(g, lambda _ref, key=key: _CARRIED.pop(key, None))
+    _CARRIED[key] = (ref, g._version, factor)
+
+
+def with_carried(pending: Optional[PendingClip], grads: Sequence[Optional[Tensor]]
+                 ) -> Optional[PendingClip]:
+    """`pending` (an optimizer's own clip, by param index) plus the factors that any of
+    `grads` still carries, unchanged since, from a step of another optimizer that clipped
+    it (as applied factors: a grad rewritten since is a new grad)."""
+    if not _CARRIED:
+        return pending
+    entries = dict(pending.entries) if pending else {}
+    for i, g in enumerate(grads):
+        if g is None or i in entries:
+            continue
+        carried = _CARRIED.get(id(g))
+        if carried is not None and carried[0]() is g and g._version == carried[1]:
+            entries[i] = (carried[0], carried[1], carried[2], True)
+    return PendingClip(entries) if entries else None
 
 
 def clip(norm: float, max_norm: float, norm_type: float, error_if_nonfinite: bool,

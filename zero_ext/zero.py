@@ -434,6 +434,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return self.hook_seam.user_step(closure)
         self.wait_for_params()  # (the last step's exchange, left in flight)
         Join.notify_join_context(self)
+        # clipped grads that survived a step of another optimizer still count as clipped
+        self._clip = grad_norm.with_carried(self._clip, [p.grad for p in self._all_params])
         # Set around step() by torch.amp.GradScaler (_step_supports_amp_scaling): grads not
         # unscaled yet are divided by grad_scale; found_inf nonzero means skip the step.
         grad_scale = getattr(self, "grad_scale", None)
@@ -664,6 +666,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         error, term, count, grads, prior = None, 0.0, 0, [], None
         try:
             grads = [p.grad for p in self._all_params]
+            self._clip = grad_norm.with_carried(self._clip, grads)
             # A clip still pending for some of these grads counts (clipping twice, as in
             # torch, whose second norm is of the clipped grads): per grad, by param.
             prior = self._clip.factors(grads, for_clip=True) if self._clip else None

@@ -194,6 +194,41 @@ def test_optimizer_rebuilt_over_clipped_grads_steps_them_clipped(world, cls_name
             assert_params_close(v["single"][0], v["single"][1], what="FusedAdamW", **TOL)
 
 
+def _unfrozen_then_group_added(ctx, mode):
+    """Fine-tuning in phases: a param frozen for a step (param mode with bucket views then
+    keeps it out of the views), unfrozen, then a new param group added before the next
+    step: the unfrozen param's update must reach every rank."""
+    pz, pr = _twins(seed=41)
+    first, later = list(range(0, len(SHAPES) - 2)), [len(SHAPES) - 2, len(SHAPES) - 1]
+    opt = _zero([pz[i] for i in first], AdamW, ctx.pg, **MODES[mode], lr=1e-2)
+    ref = AdamW([pr[i] for i in first], lr=1e-2)
+    for ps in (pz, pr):
+        ps[0].requires_grad_(False)
+    _grads(pz, 0, only=first)
+    _copy_grads(pr, pz)
+    opt.step()
+    ref.step()
+    for ps in (pz, pr):
+        ps[0].requires_grad_(True)
+    opt.add_param_group({"params": [pz[i] for i in later], "weight_decay": 0.0})
+    ref.add_param_group({"params": [pr[i] for i in later], "weight_decay": 0.0})
+    for s in (1, 2):
+        _grads(pz, s)
+        _copy_grads(pr, pz)
+        opt.step()
+        ref.step()
+    return _out(pz, pr)
+
+
+for _mode in MODES:
+    _register(f"unfrozen_then_group_added_{_mode}", _unfrozen_then_group_added, _mode)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_param_unfrozen_then_group_added_is_exchanged(world, mode):
+    _check(world.values(f"unfrozen_then_group_added_{mode}"))
+
+
 def _add_group_between_clip_and_step(ctx, cls_name, mode, first_step):
     """clip over the params the optimizer has, add_param_group (params that hold grads of
     their own, never clipped), step: the clip applies to exactly the clipped grads. With

@@ -395,8 +395,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ids = list(range(len(self._all_params), len(self._all_params) + len(group["params"])))
         self._all_params.extend(group["params"])
         self.plan.group_of.extend([gi] * len(group["params"]))
-        self._trainable = self._trainable_mask()
+        # The new params are placed as they are now; the others keep the mask their bucket
+        # views were built for, so that one frozen or unfrozen since the last step is
+        # still re-placed at the next (else, unfrozen after a step that kept it out of the
+        # views, its update would never leave its owner).
+        now = self._trainable_mask()
+        self._trainable = self._trainable[:len(now) - len(ids)] + now[len(now) - len(ids):]
         if not has_state:
+            self._trainable = now  # (a fresh plan, from the params as they are now)
             # Nothing has optimizer state yet, so nothing stops a fresh, balanced partition
             # of all params (placing the new ones on top of the old loads can end worse
             # balanced than torch's rule).

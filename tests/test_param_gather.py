@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -554,3 +555,31 @@ def _staging_lifetimes(rank, world, cfg):
 
 def test_nccl_form_frees_each_staging_once_finished():
     run_world(_staging_lifetimes, 3, dict(sharding="even", form="nccl"))
+
+
+def _ends_like_a_script(rank, world, cfg):
+    """The end of a training script: after the last step rank 0 alone saves the model
+    (its state_dict waits for the exchange in flight) while the other ranks call
+    destroy_process_group at once and leave. Their destroy must let the exchange finish
+    first (the worker thread is held back 50 ms: without that wait, rank 0 got
+    "Connection closed by peer" and no params)."""
+    import torch.distributed as dist
+
+    (ref, o_ref), (cand, opt) = _setup(rank, world, cfg)
+    for it in range(3):
+        _train(rank, (ref, o_ref), it)
+        _train(rank, (cand, opt), it)
+    if rank != 0:
+        dist.destroy_process_group()
+        return True
+    time.sleep(0.2)  # (the others are destroying their groups now)
+    saved = cand.module.state_dict()
+    for (name, a), b in zip(ref.module.state_dict().items(), saved.values()):
+        torch.testing.assert_close(b, a, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    dist.destroy_process_group()
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_others_leaving_while_rank_0_saves(world):
+    run_world(_ends_like_a_script, world, dict(sharding="even" if world == 3 else "flat"))

@@ -34,6 +34,9 @@ the next forward instead of adding to the step.
 """
 from __future__ import annotations
 
+import atexit
+import functools
+import logging
 import os
 import threading
 import time
@@ -180,6 +183,57 @@ class _Worker:
 _WORKER = _Worker()
 
 
+def wait_for_all_in_flight() -> None:
+    """Every exchange left in flight by any optimizer of this process, completed into its
+    params."""
+    for gather in list(_ACTIVE):
+        gather.wait_all()
+
+
+_SHUTDOWN_GUARDED = False
+
+
+def _guard_shutdown() -> None:
+    """(the first exchange left in flight) The last step's exchange must finish before this
+    process leaves its process groups: its peers' collectives need it to the end. A script
+    that ends with rank 0 alone saving `model.state_dict()` (which waits) while the other
+    ranks call destroy_process_group and exit would give rank 0 "Connection closed by
+    peer" instead of the params. So torch.distributed.destroy_process_group, and the
+    interpreter's exit, wait for every exchange in flight first."""
+    global _SHUTDOWN_GUARDED
+    if _SHUTDOWN_GUARDED:
+        return
+    _SHUTDOWN_GUARDED = True
+    original = dist.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(*args, **kwargs):
+        error = None
+        try:
+            wait_for_all_in_flight()
+        except Exception as exc:  # noqa: BLE001 - raised once the groups are destroyed
+            error = exc
+        out = original(*args, **kwargs)
+        if error is not None:
+            raise error
+        return out
+
+    destroy_process_group.zero_ext_waits_first = True
+    dist.destroy_process_group = destroy_process_group
+    dist.distributed_c10d.destroy_process_group = destroy_process_group
+    atexit.register(_wait_at_exit)
+
+
+def _wait_at_exit() -> None:
+    if not (_ACTIVE and dist.is_initialized()):
+        return
+    try:
+        wait_for_all_in_flight()
+    except Exception as exc:  # noqa: BLE001 - the process is ending: say it, go on
+        logging.getLogger("zero_ext").warning(
+            "zero_ext: the last step's params exchange failed at exit: %s", exc)
+
+
 class ParamGather:
     """One optimizer's exchange in flight, and the order it is issued in."""
 
@@ -316,6 +370,7 @@ class ParamGather:
         self.first_end = max((k for k, pids in enumerate(params_of_items)
                               if self.unclaimed.intersection(pids)), default=-1)
         self.threaded = queue.bounded
+        _guard_shutdown()
         if self.threaded:
             _WORKER.submit(queue)
         else:

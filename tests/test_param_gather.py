@@ -583,3 +583,38 @@ def _ends_like_a_script(rank, world, cfg):
 @pytest.mark.parametrize("world", [2, 3])
 def test_others_leaving_while_rank_0_saves(world):
     run_world(_ends_like_a_script, world, dict(sharding="even" if world == 3 else "flat"))
+
+
+def _one_shard_group_idle(rank, world, cfg):
+    """Two shard groups, {0, 1} and {2, 3}, each its own job: the second trains (its first
+    exchange left in flight comes at its second step), the first never steps (it raised,
+    say). A group over all four ranks made afterwards must still form: the exchange's own
+    groups are made at construction, where both shard groups are, not at a step."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+
+    mine = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    kw = dict(process_group=mine, find_unused_parameters=True)
+    ref, cand = DDP(_Net(), **kw), DDP(_Net(), **kw)
+    o_ref = torch.optim.AdamW(_groups(ref.module), **HP)
+    opt = ZeroRedundancyOptimizer(_groups(cand.module), torch.optim.AdamW, process_group=mine,
+                                  sharding=cfg["sharding"], overlap_param_gather=True, **HP)
+    if rank >= 2:
+        for it in range(3):
+            _train(rank, (ref, o_ref), it)
+            _train(rank, (cand, opt), it)
+        opt.wait_for_params()
+        _close(cand.module, ref.module, "the training shard group")
+    everyone = dist.new_group([0, 1, 2, 3], timeout=datetime.timedelta(seconds=30))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=everyone)
+    assert t.item() == 4.0
+    return True
+
+
+def test_a_group_over_all_ranks_forms_after_one_shard_group_idled():
+    run_world(_one_shard_group_idle, 4, dict(sharding="flat"))

@@ -339,16 +339,26 @@ class ParamGather:
             want = self.lane_count if gathers else MAX_LANES
         if self.lanes is None:
             self.lanes = []
-        # All lanes are made at the first exchange, alike on every rank, though the second
-        # may be used only later: a group made at a step that differs between two shard
-        # groups (each votes alone) would leave torch's group counter, which names groups
-        # made with use_local_synchronization, different on their ranks, and a later
-        # new_group over both would hang.
+        # (made at construction: make_lanes; here only "nccl" form's, one per collective)
         build = want if FORM == "nccl" else max(want, MAX_LANES)
         while len(self.lanes) < build:
             self.lanes.append(dist.new_group(exchanger.global_ranks, backend="gloo",
                                              use_local_synchronization=True))
         return self.lanes[:max(1, want)], FORM != "nccl"
+
+    def make_lanes(self, exchanger) -> None:
+        """(construction, collective over the optimizer's ranks) The gloo groups the
+        exchange travels on, all of them, though the second may be used only later. Made
+        here, not at the first exchange: torch names a group by a counter that each
+        new_group call advances on the ranks that make it, so two shard groups whose first
+        exchanges come at different steps (one of them raised, say) would make theirs at
+        different points, and a later new_group over both would hang. (The "nccl" form
+        forced on gloo, for tests, still makes one lane per collective as it needs them.)"""
+        if exchanger.backend != "gloo" or exchanger.world == 1 or FORM == "nccl":
+            return
+        self.lanes = [dist.new_group(exchanger.global_ranks, backend="gloo",
+                                     use_local_synchronization=True)
+                      for _ in range(max(GATHER_LANES or 0, MAX_LANES))]
 
     # ------------------------------------------------------------------ in flight
     def start(self, queue: LaneQueue, params_of_items: list) -> None:

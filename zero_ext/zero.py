@@ -197,6 +197,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._param_gather = ParamGather(self) if overlap_param_gather else None
         self._replicas = Replicas(Exchanger(self.process_group, self.rank, self.world_size),
                                   self.parameters_as_bucket_view)
+        if self._param_gather is not None:
+            self._param_gather.make_lanes(self._replicas.ex)
         self._consolidated: dict | None = None  # the full state, on the rank it went to
         # State dicts: _state_epoch counts changes of the state (steps, loads, new groups);
         # _consolidation is (epoch, to) of the last consolidate_state_dict; _had_state tells

@@ -194,6 +194,40 @@ def test_optimizer_rebuilt_over_clipped_grads_steps_them_clipped(world, cls_name
             assert_params_close(v["single"][0], v["single"][1], what="FusedAdamW", **TOL)
 
 
+def _fused_local_over_stale_clipped_grads(ctx, mode):
+    """FusedAdamW as the local optimizer, grads clipped once and never zeroed: three steps
+    over the same grads, then an optimizer rebuilt over them. Each step applies the clip
+    once (the local optimizer is handed the factor; it must not find it on the grads too)."""
+    from zero_ext import FusedAdamW
+
+    hp = dict(lr=1e-2, weight_decay=0.1)
+    pz, pr = _twins(seed=51)
+    opt, ref = _zero(pz, FusedAdamW, ctx.pg, **MODES[mode], **hp), AdamW(pr, **hp)
+    _grads(pz, 0, seed=5)  # (norm ~20: the clip scales)
+    _copy_grads(pr, pz)
+    opt.clip_grad_norm_(0.5)
+    torch.nn.utils.clip_grad_norm_(pr, 0.5)
+    for _ in range(3):
+        opt.step()
+        ref.step()
+    hp2 = dict(hp, lr=5e-3)
+    opt, ref = _zero(pz, FusedAdamW, ctx.pg, **MODES[mode], **hp2), AdamW(pr, **hp2)
+    for _ in range(2):
+        opt.step()
+        ref.step()
+    return _out(pz, pr)
+
+
+for _mode in MODES:
+    _register(f"fused_local_stale_clipped_{_mode}", _fused_local_over_stale_clipped_grads,
+              _mode)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fused_local_optimizer_applies_a_carried_clip_once(world, mode):
+    _check(world.values(f"fused_local_stale_clipped_{mode}"))
+
+
 def _unfrozen_then_group_added(ctx, mode):
     """Fine-tuning in phases: a param frozen for a step (param mode with bucket views then
     keeps it out of the views), unfrozen, then a new param group added before the next

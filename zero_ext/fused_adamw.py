@@ -135,6 +135,10 @@ class FusedAdamW(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
+    # Whether step() and clip_grad_norm_ apply the clip factors that grads carry from a
+    # step of another optimizer (grad_norm.with_carried). False where an owner has folded
+    # them into the grad_scale it passes already: ZeroRedundancyOptimizer's local optimizer.
+    reads_carried_clips = True
 
     def __init__(
         self,
@@ -243,7 +247,8 @@ class FusedAdamW(torch.optim.Optimizer):
         :meth:`step` (the ``.grad`` tensors are not modified)."""
         max_norm, norm_type = grad_norm.validate(max_norm, norm_type)
         grads = [p.grad for p in self._params()]
-        self._clip = grad_norm.with_carried(self._clip, grads)
+        if self.reads_carried_clips:
+            self._clip = grad_norm.with_carried(self._clip, grads)
         # a clip of some of these grads still pending counts, per grad (clipping twice)
         prior = self._clip.factors(grads, for_clip=True) if self._clip else None
         present = [i for i, g in enumerate(grads) if g is not None]
@@ -282,7 +287,9 @@ class FusedAdamW(torch.optim.Optimizer):
                 return loss
             found_inf = None
         params = self._params()
-        pending = self._clip = grad_norm.with_carried(self._clip, [p.grad for p in params])
+        if self.reads_carried_clips:
+            self._clip = grad_norm.with_carried(self._clip, [p.grad for p in params])
+        pending = self._clip
         stepped = [i for i, p in enumerate(params) if p.grad is not None] if pending else ()
         with grad_norm.applied(pending, params, stepped) as clip:
             self._engine.step(self.param_groups, self.state,

@@ -220,6 +220,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if master_weights and issubclass(optimizer_class, FusedAdamW):
             local_kwargs["master_weights"] = True  # its own engine steps the masters
         self.optim = optimizer_class(self._local_groups(), **local_kwargs)
+        if isinstance(self.optim, FusedAdamW):
+            # step() reads the carried clip factors of the same grads and passes them in
+            # its grad_scale: read twice, they would clip twice
+            self.optim.reads_carried_clips = False
         self._adopt_optimizer_defaults()
         self._initialized = True
 

@@ -618,3 +618,40 @@ def _one_shard_group_idle(rank, world, cfg):
 
 def test_a_group_over_all_ranks_forms_after_one_shard_group_idled():
     run_world(_one_shard_group_idle, 4, dict(sharding="flat"))
+
+
+def _optimizer_on_some_ranks(rank, world, cfg):
+    """A job whose ranks 0 and 1 train a model with their own optimizer (over their group)
+    while rank 2 builds none (a separate stage, an evaluator): a group over all ranks made
+    afterwards must still form. The exchange's own groups, made by ranks 0 and 1 alone,
+    must not change how torch names the groups made after them."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        kw = dict(process_group=pair, find_unused_parameters=True)
+        ref, cand = DDP(_Net(), **kw), DDP(_Net(), **kw)
+        o_ref = torch.optim.AdamW(_groups(ref.module), **HP)
+        opt = ZeroRedundancyOptimizer(_groups(cand.module), torch.optim.AdamW,
+                                      process_group=pair, sharding=cfg["sharding"],
+                                      overlap_param_gather=True, **HP)
+        for it in range(cfg["steps"]):
+            _train(rank, (ref, o_ref), it)
+            _train(rank, (cand, opt), it)
+        opt.wait_for_params()
+        _close(cand.module, ref.module, "the training pair")
+    everyone = dist.new_group([0, 1, 2], timeout=datetime.timedelta(seconds=30))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=everyone)
+    assert t.item() == 3.0
+    return True
+
+
+@pytest.mark.parametrize("steps", [0, 3], ids=["built_only", "trained"])
+def test_a_group_over_all_ranks_forms_after_an_optimizer_on_some_ranks(steps):
+    run_world(_optimizer_on_some_ranks, 3, dict(sharding="even", steps=steps))

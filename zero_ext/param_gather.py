@@ -52,6 +52,40 @@ from .sync import LaneQueue, backend_device
 # worker thread on lanes of its own elsewhere; "nccl" forces NCCL's form on gloo, with
 # one lane of its own per collective (one op in flight per gloo group), for tests
 # (ZERO_EXT_GATHER_FORM). Every rank must use the same.
+# Member-only groups made over each set of ranks on this rank, by world (see below).
+_MEMBER_GROUPS: dict = {}
+_OWN_SALTS = 1 << 48  # far above any count torch's own group names reach
+
+
+def _members_only_gloo_group(ranks: list[int]):
+    """A gloo group over `ranks`, made by its members alone (the optimizer's ranks; the
+    others may build nothing). torch names such a group by its ranks and its group
+    counter, and advances that counter on the members only, so the ranks outside would
+    name every later group (any new_group over all ranks) differently and hang. This
+    names ours by its ranks and its number among our groups over those same ranks, which
+    the members agree on, and leaves torch's counter as it was."""
+    c10d = dist.distributed_c10d
+    world_state = getattr(c10d, "_world", None)
+    if world_state is None or not hasattr(type(world_state), "group_count"):
+        return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    world = dist.group.WORLD
+    entry = _MEMBER_GROUPS.get(id(world))
+    if entry is None or entry[0] is not world:  # a new world (re-initialised)
+        _MEMBER_GROUPS.clear()
+        entry = _MEMBER_GROUPS[id(world)] = (world, {})
+    made = entry[1]
+    key = tuple(sorted(ranks))
+    serial = made.get(key, 0)
+    saved = world_state.group_count
+    world_state.group_count = _OWN_SALTS + serial
+    try:
+        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    finally:
+        world_state.group_count = saved
+    made[key] = serial + 1
+    return group
+
+
 FORMS = ("auto", "nccl")
 FORM = os.environ.get("ZERO_EXT_GATHER_FORM", "auto")
 # Groups the worker thread's exchange travels on, one collective in flight on each.
@@ -208,15 +242,14 @@ def _guard_shutdown() -> None:
 
     @functools.wraps(original)
     def destroy_process_group(*args, **kwargs):
-        error = None
         try:
             wait_for_all_in_flight()
-        except Exception as exc:  # noqa: BLE001 - raised once the groups are destroyed
-            error = exc
-        out = original(*args, **kwargs)
-        if error is not None:
-            raise error
-        return out
+        except Exception as exc:  # noqa: BLE001 - teardown goes on (often in a finally)
+            # Not raised here: every read of the params it carried raises it still.
+            logging.getLogger("zero_ext").warning(
+                "zero_ext: the last step's params exchange failed before "
+                "destroy_process_group: %s", exc)
+        return original(*args, **kwargs)
 
     destroy_process_group.zero_ext_waits_first = True
     dist.destroy_process_group = destroy_process_group
@@ -342,8 +375,7 @@ class ParamGather:
         # (made at construction: make_lanes; here only "nccl" form's, one per collective)
         build = want if FORM == "nccl" else max(want, MAX_LANES)
         while len(self.lanes) < build:
-            self.lanes.append(dist.new_group(exchanger.global_ranks, backend="gloo",
-                                             use_local_synchronization=True))
+            self.lanes.append(_members_only_gloo_group(exchanger.global_ranks))
         return self.lanes[:max(1, want)], FORM != "nccl"
 
     def make_lanes(self, exchanger) -> None:
@@ -356,8 +388,7 @@ class ParamGather:
         forced on gloo, for tests, still makes one lane per collective as it needs them.)"""
         if exchanger.backend != "gloo" or exchanger.world == 1 or FORM == "nccl":
             return
-        self.lanes = [dist.new_group(exchanger.global_ranks, backend="gloo",
-                                     use_local_synchronization=True)
+        self.lanes = [_members_only_gloo_group(exchanger.global_ranks)
                       for _ in range(max(GATHER_LANES or 0, MAX_LANES))]
 
     # ------------------------------------------------------------------ in flight

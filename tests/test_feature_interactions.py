@@ -130,6 +130,18 @@ def test_unfreezing_between_clip_and_step_keeps_the_clip(world, cls_name, mode, 
     _check(world.values(name))
 
 
+def _clipped_twins(ctx, cls, ref_cls, mode, hp, seed):
+    """Twin params, a ZeRO optimizer of `cls` and a torch `ref_cls` over them, grads clipped
+    by each (zero_ext's pending clip; torch's in place)."""
+    pz, pr = _twins(seed=seed)
+    opt, ref = _zero(pz, cls, ctx.pg, **MODES[mode], **hp), ref_cls(pr, **hp)
+    _grads(pz, 0, seed=5)  # (norm ~20: the clip scales)
+    _copy_grads(pr, pz)
+    opt.clip_grad_norm_(0.5)
+    torch.nn.utils.clip_grad_norm_(pr, 0.5)
+    return pz, pr, opt, ref
+
+
 def _rebuilt_over_clipped_grads(ctx, cls_name, mode, frozen):
     """A training phase that ends with a clipped step and rebuilds the optimizer (new
     hyperparameters) without zeroing the grads: the new one steps those grads clipped, as
@@ -138,12 +150,7 @@ def _rebuilt_over_clipped_grads(ctx, cls_name, mode, frozen):
     from zero_ext import FusedAdamW
 
     cls, hp = CLASSES[cls_name]
-    pz, pr = _twins(seed=31)
-    opt, ref = _zero(pz, cls, ctx.pg, **MODES[mode], **hp), cls(pr, **hp)
-    _grads(pz, 0, seed=5)  # (norm ~20: the clip scales)
-    _copy_grads(pr, pz)
-    opt.clip_grad_norm_(0.5)
-    torch.nn.utils.clip_grad_norm_(pr, 0.5)
+    pz, pr, opt, ref = _clipped_twins(ctx, cls, cls, mode, hp, seed=31)
     opt.step()
     ref.step()
     if frozen:
@@ -201,12 +208,7 @@ def _fused_local_over_stale_clipped_grads(ctx, mode):
     from zero_ext import FusedAdamW
 
     hp = dict(lr=1e-2, weight_decay=0.1)
-    pz, pr = _twins(seed=51)
-    opt, ref = _zero(pz, FusedAdamW, ctx.pg, **MODES[mode], **hp), AdamW(pr, **hp)
-    _grads(pz, 0, seed=5)  # (norm ~20: the clip scales)
-    _copy_grads(pr, pz)
-    opt.clip_grad_norm_(0.5)
-    torch.nn.utils.clip_grad_norm_(pr, 0.5)
+    pz, pr, opt, ref = _clipped_twins(ctx, FusedAdamW, AdamW, mode, hp, seed=51)
     for _ in range(3):
         opt.step()
         ref.step()

@@ -425,6 +425,31 @@ def err_clip_grad_norm(ctx):
     zero.clip_grad_norm_(1.0)
 
 
+def _buckets_reset_after_recording(ctx, interleaved):
+    """DDP's buckets reset after the hook recorded them (_update_process_group, made to
+    shrink or grow DDP's world): the next backward raises on every rank, instead of
+    skipping steps and then stepping params with other params' grads once DDP rebuilt its
+    buckets in another order."""
+    ddp = _ddp(_model(), ctx, False, False)
+    zero = _zero(ddp.parameters(), ctx, overlap_with_ddp=True)
+    ddp.register_comm_hook(None, _hook_ctor(interleaved)(allreduce_hook, ddp, zero))
+    for i in range(5):  # 0: warm-up, 1: recording, 2: the first step
+        if i == 3:
+            ddp._update_process_group(ctx.pg)
+        zero.zero_grad()
+        ddp(torch.randn(2, 12)).sum().backward()
+
+
+@SC.scenario()
+def err_buckets_reset_plain(ctx):
+    _buckets_reset_after_recording(ctx, False)
+
+
+@SC.scenario()
+def err_buckets_reset_interleaved(ctx):
+    _buckets_reset_after_recording(ctx, True)
+
+
 @SC.scenario()
 def err_local_step_raises_on_last_rank(ctx):
     """A failure inside one rank's step in backward: every rank's backward raises, no hang."""
@@ -536,6 +561,11 @@ def test_overlap_flag_differs_between_ranks(world):
 
 def test_clip_grad_norm_has_no_place(world):
     _all_raise(world, "err_clip_grad_norm", RuntimeError, "reduce_scatter_hook")
+
+
+@pytest.mark.parametrize("hook", ["plain", "interleaved"])
+def test_buckets_reset_after_recording_raise(world, hook):
+    _all_raise(world, f"err_buckets_reset_{hook}", RuntimeError, "buckets were reset")
 
 
 def test_local_step_failure_reaches_every_rank(world):

@@ -161,6 +161,12 @@ class BucketStepper:
         self.seam.wait_for_params()  # (overlap_param_gather: the last step's exchange)
         ddp = self.ddp()
         if not ddp._has_rebuilt_buckets:
+            if self.used is not None:  # (the same on every rank: the reset is collective)
+                raise RuntimeError(
+                    f"zero_ext {_FLAG}: DDP's buckets were reset after the hook recorded them "
+                    "(DistributedDataParallel._update_process_group): the steps in its "
+                    "backward follow the recorded buckets, and the optimizer's own process "
+                    "group would not change. Build a new DDP model, optimizer and hook")
             return fut  # warm-up: DDP's buckets are not final yet
         if self.used is None:
             self._record(bucket, fut)  # the first iteration after the rebuild: no step either

@@ -655,3 +655,43 @@ def _optimizer_on_some_ranks(rank, world, cfg):
 @pytest.mark.parametrize("steps", [0, 3], ids=["built_only", "trained"])
 def test_a_group_over_all_ranks_forms_after_an_optimizer_on_some_ranks(steps):
     run_world(_optimizer_on_some_ranks, 3, dict(sharding="even", steps=steps))
+
+
+class _Work:
+    """A collective's handle whose first wait fails (a peer lost, a timeout)."""
+
+    def __init__(self, fails: bool):
+        self.fails = fails
+
+    def wait(self):
+        if self.fails:
+            self.fails = False
+            raise RuntimeError("collective failed")
+
+
+@pytest.mark.parametrize("bounded", [False, True], ids=["issued_at_once", "one_per_lane"])
+def test_a_failed_collective_fails_every_later_wait(bounded):
+    """The exchange's queue, driven from the waiting thread (NCCL's form): once a collective
+    failed, every later wait (the next forward, a state_dict, destroy_process_group) raises
+    that failure, nothing after it is finished into the params, and the failed item's
+    staging stays held (on CUDA its kernel may not have ended)."""
+    from zero_ext.sync import LaneQueue
+
+    finished, staging = [], {}
+
+    def issue(item, lane, slot):
+        staging[item] = torch.empty(4)
+        return _Work(item == 1), staging[item]
+
+    queue = LaneQueue([None, None], [0, 1, 2], issue,
+                      lambda item, buf: finished.append(item), bounded=bounded)
+    queue.pump()
+    with pytest.raises(RuntimeError, match="collective failed"):
+        queue.complete_through(2)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="the params' exchange failed: collective failed"):
+            queue.complete_through(2)
+        with pytest.raises(RuntimeError, match="the params' exchange failed"):
+            queue.wait_finished(2)
+    assert finished == [0] and queue.finished == 1
+    assert queue.inflight[1][1] is staging[1]

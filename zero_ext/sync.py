@@ -299,17 +299,30 @@ class LaneQueue:
     def complete_through(self, k: int) -> None:
         """Items 0..k finished (issuing later ones as lanes free up)."""
         k = min(k, len(self.items) - 1)
-        while self.finished <= k:
-            if self.finished == self.issued:
+        self._raise_kept()
+        try:
+            while self.finished <= k:
+                if self.finished == self.issued:
+                    self.pump()
+                i = self.finished
+                work, state = self.inflight[i]  # (its staging held until it has finished)
+                work.wait()
+                self.finish_fn(self.items[i], state)
+                del self.inflight[i]
+                with self.cond:
+                    self.finished += 1
+                    self.cond.notify_all()
                 self.pump()
-            i = self.finished
-            work, state = self.inflight.pop(i)
-            work.wait()
-            self.finish_fn(self.items[i], state)
-            with self.cond:
-                self.finished += 1
+        except BaseException as exc:
+            with self.cond:  # every later wait raises it too: the params are not all there
+                self.error = self.error or exc
                 self.cond.notify_all()
-            self.pump()
+            raise
+
+    def _raise_kept(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"zero_ext: the params' exchange failed: {self.error}") \
+                from self.error
 
     def complete_all(self) -> None:
         self.pump()
@@ -330,9 +343,7 @@ class LaneQueue:
         with self.cond:
             while self.finished <= k and self.error is None:
                 self.cond.wait()
-            if self.error is not None:
-                raise RuntimeError(f"zero_ext: the params' exchange failed: {self.error}") \
-                    from self.error
+            self._raise_kept()
 
 
 def exchange_pieces(ex: Exchanger, messages: list[Message],

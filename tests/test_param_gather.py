@@ -695,3 +695,36 @@ def test_a_failed_collective_fails_every_later_wait(bounded):
             queue.wait_finished(2)
     assert finished == [0] and queue.finished == 1
     assert queue.inflight[1][1] is staging[1]
+
+
+def _exchange_failed_before_destroy(rank, world, cfg):
+    """The last step's exchange failed (a peer lost, say) and the script ends with
+    destroy_process_group: it destroys the groups, then raises the failure (the params that
+    exchange carried are not all there), on every rank; a read through zero_ext raises it too."""
+    import torch.distributed as dist
+
+    (ref, o_ref), (cand, opt) = _setup(rank, world, cfg)
+    for it in range(3):
+        _train(rank, (cand, opt), it)
+    queue = opt._param_gather.queue
+    with queue.cond:  # (as the worker thread records a failure)
+        queue.error = RuntimeError("peer lost")
+        queue.cond.notify_all()
+    try:
+        dist.destroy_process_group()
+    except RuntimeError as exc:
+        assert "the params' exchange failed: peer lost" in str(exc), exc
+    else:
+        raise AssertionError("destroy_process_group returned")
+    assert not dist.is_initialized()
+    try:
+        cand.module.state_dict()
+    except RuntimeError as exc:
+        assert "peer lost" in str(exc), exc
+    else:
+        raise AssertionError("state_dict read the params")
+    return True
+
+
+def test_a_failed_exchange_is_raised_by_destroy_process_group():
+    run_world(_exchange_failed_before_destroy, 2, dict(sharding="flat"))

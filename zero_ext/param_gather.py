@@ -220,8 +220,14 @@ _WORKER = _Worker()
 def wait_for_all_in_flight() -> None:
     """Every exchange left in flight by any optimizer of this process, completed into its
     params."""
+    error = None
     for gather in list(_ACTIVE):
-        gather.wait_all()
+        try:
+            gather.wait_all()
+        except Exception as exc:  # noqa: BLE001 - the others are waited for first
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 _SHUTDOWN_GUARDED = False
@@ -242,14 +248,15 @@ def _guard_shutdown() -> None:
 
     @functools.wraps(original)
     def destroy_process_group(*args, **kwargs):
+        error = None
         try:
             wait_for_all_in_flight()
-        except Exception as exc:  # noqa: BLE001 - teardown goes on (often in a finally)
-            # Not raised here: every read of the params it carried raises it still.
-            logging.getLogger("zero_ext").warning(
-                "zero_ext: the last step's params exchange failed before "
-                "destroy_process_group: %s", exc)
-        return original(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - raised once the groups are destroyed
+            error = exc
+        out = original(*args, **kwargs)
+        if error is not None:  # the params it carried are not all there: say so
+            raise error
+        return out
 
     destroy_process_group.zero_ext_waits_first = True
     dist.destroy_process_group = destroy_process_group

@@ -321,7 +321,8 @@ class LaneQueue:
 
     def _raise_kept(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"zero_ext: the params' exchange failed: {self.error}") \
+            what = str(self.error) or type(self.error).__name__  # (KeyboardInterrupt: "")
+            raise RuntimeError(f"zero_ext: the params' exchange failed: {what}") \
                 from self.error
 
     def complete_all(self) -> None:

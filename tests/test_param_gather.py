@@ -564,13 +564,18 @@ def _ends_like_a_script(rank, world, cfg):
     first (the worker thread is held back 50 ms: without that wait, rank 0 got
     "Connection closed by peer" and no params)."""
     import torch.distributed as dist
+    # nanoGPT's style: the function imported at the top, before any exchange
+    from torch.distributed import destroy_process_group
 
     (ref, o_ref), (cand, opt) = _setup(rank, world, cfg)
     for it in range(3):
         _train(rank, (ref, o_ref), it)
         _train(rank, (cand, opt), it)
     if rank != 0:
-        dist.destroy_process_group()
+        if cfg["imported_early"]:
+            destroy_process_group()
+        else:
+            dist.destroy_process_group()
         return True
     time.sleep(0.2)  # (the others are destroying their groups now)
     saved = cand.module.state_dict()
@@ -580,9 +585,11 @@ def _ends_like_a_script(rank, world, cfg):
     return True
 
 
+@pytest.mark.parametrize("imported_early", [False, True], ids=["attribute", "imported_early"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_others_leaving_while_rank_0_saves(world):
-    run_world(_ends_like_a_script, world, dict(sharding="even" if world == 3 else "flat"))
+def test_others_leaving_while_rank_0_saves(world, imported_early):
+    run_world(_ends_like_a_script, world, dict(sharding="even" if world == 3 else "flat",
+                                               imported_early=imported_early))
 
 
 def _one_shard_group_idle(rank, world, cfg):

@@ -35,11 +35,11 @@ the next forward instead of adding to the step.
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import os
 import threading
 import time
+import types
 import weakref
 
 import torch
@@ -238,16 +238,27 @@ def _guard_shutdown() -> None:
     process leaves its process groups: its peers' collectives need it to the end. A script
     that ends with rank 0 alone saving `model.state_dict()` (which waits) while the other
     ranks call destroy_process_group and exit would give rank 0 "Connection closed by
-    peer" instead of the params. So torch.distributed.destroy_process_group, and the
-    interpreter's exit, wait for every exchange in flight first."""
+    peer" instead of the params. So torch's destroy_process_group, and the interpreter's
+    exit, wait for every exchange in flight first.
+
+    The function object itself is changed, not the module attribute: a script that imported
+    it before (nanoGPT: `from torch.distributed import destroy_process_group` at the top)
+    holds that same object. Its code becomes a call of the waiting version, which runs a
+    copy of torch's own function afterwards."""
     global _SHUTDOWN_GUARDED
     if _SHUTDOWN_GUARDED:
         return
     _SHUTDOWN_GUARDED = True
-    original = dist.destroy_process_group
+    atexit.register(_wait_at_exit)
+    fn = dist.distributed_c10d.destroy_process_group
+    if (not isinstance(fn, types.FunctionType) or fn.__closure__
+            or _WAITING_DESTROY in fn.__globals__):
+        return  # (not torch's plain function: someone else's; left as it is)
+    original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__)
+    original.__kwdefaults__ = fn.__kwdefaults__
+    original.__qualname__, original.__doc__ = fn.__qualname__, fn.__doc__
 
-    @functools.wraps(original)
-    def destroy_process_group(*args, **kwargs):
+    def waits_first(*args, **kwargs):
         error = None
         try:
             wait_for_all_in_flight()
@@ -258,10 +269,19 @@ def _guard_shutdown() -> None:
             raise error
         return out
 
-    destroy_process_group.zero_ext_waits_first = True
-    dist.destroy_process_group = destroy_process_group
-    dist.distributed_c10d.destroy_process_group = destroy_process_group
-    atexit.register(_wait_at_exit)
+    fn.__globals__[_WAITING_DESTROY] = waits_first
+    fn.__code__ = _calls_waiting_destroy.__code__
+    fn.__defaults__ = fn.__kwdefaults__ = None
+    fn.__wrapped__ = original  # (inspect.signature shows torch's)
+    fn.zero_ext_waits_first = True
+
+
+_WAITING_DESTROY = "_zero_ext_destroy_process_group_waiting_first"
+
+
+def _calls_waiting_destroy(*args, **kwargs):
+    # (the code torch's destroy_process_group runs once guarded: a global of torch's module)
+    return _zero_ext_destroy_process_group_waiting_first(*args, **kwargs)  # noqa: F821
 
 
 def _wait_at_exit() -> None:

@@ -735,3 +735,37 @@ def _exchange_failed_before_destroy(rank, world, cfg):
 
 def test_a_failed_exchange_is_raised_by_destroy_process_group():
     run_world(_exchange_failed_before_destroy, 2, dict(sharding="flat"))
+
+
+def _groups_freed_with_the_world(rank, world, cfg):
+    """destroy_process_group() frees the extra gloo groups zero_ext made (its optimizers
+    still alive, as in a script's last lines): held past it, they were freed at the
+    interpreter's teardown, where gloo's threads abort the process ("terminate called
+    without an active exception")."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from zero_ext import ZeroRedundancyOptimizer
+
+    (ref, o_ref), (cand, opt) = _setup(rank, world, cfg)
+    for it in range(2):
+        _train(rank, (cand, opt), it)
+    plain_model = torch.nn.Linear(8, 8)
+    plain = ZeroRedundancyOptimizer(plain_model.parameters(), torch.optim.AdamW, lr=1e-2)
+    plain_model(torch.ones(2, 8)).sum().backward()
+    plain.step()
+    extra = list(opt._param_gather.lanes) + plain._replicas.ex.lanes[1:]
+    assert extra, "no extra groups: nothing to check"
+    refs = [weakref.ref(g) for g in extra]
+    del extra
+    dist.destroy_process_group()
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0, f"{alive} of {len(refs)} groups outlived destroy_process_group"
+    return opt is not None and plain is not None  # (both alive to here)
+
+
+def test_extra_groups_are_freed_with_the_world():
+    run_world(_groups_freed_with_the_world, 2, dict(sharding="flat"))

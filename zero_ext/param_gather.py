@@ -45,6 +45,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from . import sync
 from .sync import LaneQueue, backend_device
 
 # How the exchange left in flight travels: "auto" is NCCL's form on NCCL (every collective
@@ -212,6 +213,7 @@ class _Worker:
             queue.run_to_end()  # (its own errors are kept for the waiting thread)
             with self.cond:
                 self.jobs.pop(0)
+            queue = None  # (not held while idle)
 
 
 _WORKER = _Worker()
@@ -233,13 +235,16 @@ def wait_for_all_in_flight() -> None:
 _SHUTDOWN_GUARDED = False
 
 
-def _guard_shutdown() -> None:
-    """(the first exchange left in flight) The last step's exchange must finish before this
-    process leaves its process groups: its peers' collectives need it to the end. A script
-    that ends with rank 0 alone saving `model.state_dict()` (which waits) while the other
-    ranks call destroy_process_group and exit would give rank 0 "Connection closed by
-    peer" instead of the params. So torch's destroy_process_group, and the interpreter's
-    exit, wait for every exchange in flight first.
+def guard_shutdown() -> None:
+    """(an optimizer holding gloo groups of its own, or the first exchange left in flight)
+    Two things must happen when the script ends.
+    - The last step's exchange finishes before this process leaves its process groups:
+      its peers' collectives need it to the end. A script that ends with rank 0 alone
+      saving `model.state_dict()` (which waits) while the other ranks call
+      destroy_process_group and exit gave rank 0 "Connection closed by peer" instead of
+      the params. So torch's destroy_process_group, and the interpreter's exit, wait for
+      every exchange in flight first.
+    - zero_ext's extra groups are released with the world (_release_groups).
 
     The function object itself is changed, not the module attribute: a script that imported
     it before (nanoGPT: `from torch.distributed import destroy_process_group` at the top)
@@ -265,6 +270,8 @@ def _guard_shutdown() -> None:
         except Exception as exc:  # noqa: BLE001 - raised once the groups are destroyed
             error = exc
         out = original(*args, **kwargs)
+        if not dist.is_initialized():  # the whole world went: its groups with it
+            _release_groups()
         if error is not None:  # the params it carried are not all there: say so
             raise error
         return out
@@ -277,6 +284,23 @@ def _guard_shutdown() -> None:
 
 
 _WAITING_DESTROY = "_zero_ext_destroy_process_group_waiting_first"
+_ALL: "weakref.WeakSet[ParamGather]" = weakref.WeakSet()
+
+
+def _release_groups() -> None:
+    """zero_ext's references to the gloo groups it made, dropped once torch destroyed them:
+    freed then, not at the interpreter's teardown, where gloo's threads abort the process
+    ("terminate called without an active exception": in 3 of 3 launches of a script at
+    world 3 holding its optimizer to the end; 0 of 4 with the references dropped)."""
+    sync.release_lanes()
+    with _WORKER.cond:  # (finished, or failed with its error kept: never pumped again)
+        queues = list(_WORKER.jobs)
+    for gather in list(_ALL):
+        gather.lanes = None
+        queues.append(gather.queue)
+    for queue in queues:
+        if queue is not None:
+            queue.lanes = []
 
 
 def _calls_waiting_destroy(*args, **kwargs):
@@ -298,6 +322,7 @@ class ParamGather:
     """One optimizer's exchange in flight, and the order it is issued in."""
 
     def __init__(self, zero):
+        _ALL.add(self)
         self._zero = weakref.ref(zero)
         self.queue: LaneQueue | None = None
         self.threaded = False         # the worker thread drives `queue` (gloo)
@@ -438,7 +463,7 @@ class ParamGather:
         self.first_end = max((k for k, pids in enumerate(params_of_items)
                               if self.unclaimed.intersection(pids)), default=-1)
         self.threaded = queue.bounded
-        _guard_shutdown()
+        guard_shutdown()
         if self.threaded:
             _WORKER.submit(queue)
         else:

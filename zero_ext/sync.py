@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -81,10 +82,23 @@ def _shared_lanes(n: int) -> list:
     return lanes[:n]
 
 
+_EXCHANGERS: "weakref.WeakSet[Exchanger]" = weakref.WeakSet()
+
+
+def release_lanes() -> None:
+    """(the world destroyed) Drop every reference to the extra groups, so that they are
+    freed now, not at the interpreter's teardown (where gloo's threads, destroyed late,
+    abort the process: "terminate called without an active exception")."""
+    _LANES.clear()
+    for ex in list(_EXCHANGERS):
+        ex.lanes = ex.lanes[:1]
+
+
 class Exchanger:
     """Issues the collectives of one sync for a process group."""
 
     def __init__(self, group, rank: int, world: int, lanes: int = 2):
+        _EXCHANGERS.add(self)
         self.group = group
         self.rank = rank
         self.world = world

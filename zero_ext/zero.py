@@ -25,7 +25,7 @@ from . import hybrid, kernels, launcher, layout, state
 from .agree import agree, agree_on_inputs, call_and_agree, rendezvous
 from .fused_adamw import FusedAdamW, fused_path_supported, keep_step_eager
 from .local_step import FusedShardStep
-from .param_gather import ParamGather
+from .param_gather import ParamGather, guard_shutdown
 from .precision import found_inf_flag, generic_precision, kernel_divisor, scale_factor
 from .replicas import Replicas
 from .seam import (HookSeam, check_overlap_options, check_same_hyperparameters,
@@ -199,6 +199,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                   self.parameters_as_bucket_view)
         if self._param_gather is not None:
             self._param_gather.make_lanes(self._replicas.ex)
+        if len(self._replicas.ex.lanes) > 1 or (self._param_gather is not None
+                                                and self._param_gather.lanes):
+            guard_shutdown()  # (extra gloo groups: released when the world is destroyed)
         self._consolidated: dict | None = None  # the full state, on the rank it went to
         # State dicts: _state_epoch counts changes of the state (steps, loads, new groups);
         # _consolidation is (epoch, to) of the last consolidate_state_dict; _had_state tells

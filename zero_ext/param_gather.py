@@ -53,40 +53,6 @@ from .sync import LaneQueue, backend_device
 # worker thread on lanes of its own elsewhere; "nccl" forces NCCL's form on gloo, with
 # one lane of its own per collective (one op in flight per gloo group), for tests
 # (ZERO_EXT_GATHER_FORM). Every rank must use the same.
-# Member-only groups made over each set of ranks on this rank, by world (see below).
-_MEMBER_GROUPS: dict = {}
-_OWN_SALTS = 1 << 48  # far above any count torch's own group names reach
-
-
-def _members_only_gloo_group(ranks: list[int]):
-    """A gloo group over `ranks`, made by its members alone (the optimizer's ranks; the
-    others may build nothing). torch names such a group by its ranks and its group
-    counter, and advances that counter on the members only, so the ranks outside would
-    name every later group (any new_group over all ranks) differently and hang. This
-    names ours by its ranks and its number among our groups over those same ranks, which
-    the members agree on, and leaves torch's counter as it was."""
-    c10d = dist.distributed_c10d
-    world_state = getattr(c10d, "_world", None)
-    if world_state is None or not hasattr(type(world_state), "group_count"):
-        return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    world = dist.group.WORLD
-    entry = _MEMBER_GROUPS.get(id(world))
-    if entry is None or entry[0] is not world:  # a new world (re-initialised)
-        _MEMBER_GROUPS.clear()
-        entry = _MEMBER_GROUPS[id(world)] = (world, {})
-    made = entry[1]
-    key = tuple(sorted(ranks))
-    serial = made.get(key, 0)
-    saved = world_state.group_count
-    world_state.group_count = _OWN_SALTS + serial
-    try:
-        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    finally:
-        world_state.group_count = saved
-    made[key] = serial + 1
-    return group
-
-
 FORMS = ("auto", "nccl")
 FORM = os.environ.get("ZERO_EXT_GATHER_FORM", "auto")
 # Groups the worker thread's exchange travels on, one collective in flight on each.
@@ -182,6 +148,40 @@ class _AttributeReads:
 
 
 _READS = _AttributeReads()
+
+
+# How many member-only groups this rank made over each set of ranks, by world (see below).
+_MEMBER_GROUPS: dict = {}
+_OWN_SALTS = 1 << 48  # far above any count torch's own group names reach
+
+
+def _members_only_gloo_group(ranks: list[int]):
+    """A gloo group over `ranks`, made by its members alone (the optimizer's ranks; the
+    others may build nothing). torch names such a group by its ranks and its group
+    counter, and advances that counter on the members only, so the ranks outside would
+    name every later group (any new_group over all ranks) differently and hang. This
+    names ours by its ranks and its number among our groups over those same ranks, which
+    the members agree on, and leaves torch's counter as it was."""
+    c10d = dist.distributed_c10d
+    world_state = getattr(c10d, "_world", None)
+    if world_state is None or not hasattr(type(world_state), "group_count"):
+        return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    world = dist.group.WORLD
+    entry = _MEMBER_GROUPS.get(id(world))
+    if entry is None or entry[0] is not world:  # a new world (re-initialised)
+        _MEMBER_GROUPS.clear()
+        entry = _MEMBER_GROUPS[id(world)] = (world, {})
+    made = entry[1]
+    key = tuple(sorted(ranks))
+    serial = made.get(key, 0)
+    saved = world_state.group_count
+    world_state.group_count = _OWN_SALTS + serial
+    try:
+        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    finally:
+        world_state.group_count = saved
+    made[key] = serial + 1
+    return group
 
 
 class _Worker:
@@ -291,8 +291,9 @@ def _release_groups() -> None:
     """zero_ext's references to the gloo groups it made, dropped once torch destroyed them:
     freed then, not at the interpreter's teardown, where gloo's threads abort the process
     ("terminate called without an active exception": in 3 of 3 launches of a script at
-    world 3 holding its optimizer to the end; 0 of 4 with the references dropped)."""
+    world 3 holding its optimizer to the end; 0 of 5 with the references dropped)."""
     sync.release_lanes()
+    _MEMBER_GROUPS.clear()  # (it holds the old world)
     with _WORKER.cond:  # (finished, or failed with its error kept: never pumped again)
         queues = list(_WORKER.jobs)
     for gather in list(_ALL):

@@ -769,3 +769,30 @@ def _groups_freed_with_the_world(rank, world, cfg):
 
 def test_extra_groups_are_freed_with_the_world():
     run_world(_groups_freed_with_the_world, 2, dict(sharding="flat"))
+
+
+def _dropped_optimizer_scenario(rank, world, cfg):
+    """train() returns the model only: its optimizer is freed while the last step's
+    exchange is still in flight. The model's state_dict (the checkpoint a script saves
+    next) must still wait for the params, on every rank."""
+    import gc
+
+    def train():
+        (ref, o_ref), (cand, opt) = _setup(rank, world, cfg)
+        for it in range(3):
+            _train(rank, (ref, o_ref), it)
+            _train(rank, (cand, opt), it)
+        return ref, cand
+
+    ref, cand = train()
+    gc.collect()
+    saved = cand.module.state_dict()
+    for (name, a), b in zip(ref.module.state_dict().items(), saved.values()):
+        torch.testing.assert_close(b, a, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_dropped_optimizer_still_delivers_its_last_exchange(world):
+    run_world(_dropped_optimizer_scenario, world,
+              dict(sharding="even" if world == 3 else "flat"))

@@ -78,6 +78,10 @@ WORKER_DELAY_S = 0.0
 # ParamGathers with collectives in flight or an order being recorded, and the one global
 # forward pre-hook that serves them (installed only while some are)
 _ACTIVE: "weakref.WeakSet[ParamGather]" = weakref.WeakSet()
+# ...and those whose exchange is in flight, held here until it is finished: a script may
+# drop its optimizer while the params are still arriving (a train() that returns only the
+# model), and the model's next forward or state_dict must still wait for them
+_IN_FLIGHT: set = set()
 _HOOK = None
 _HOOK_LOCK = threading.Lock()
 
@@ -262,6 +266,7 @@ def guard_shutdown() -> None:
     original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__)
     original.__kwdefaults__ = fn.__kwdefaults__
     original.__qualname__, original.__doc__ = fn.__qualname__, fn.__doc__
+    original.__annotations__ = dict(fn.__annotations__)
 
     def waits_first(*args, **kwargs):
         error = None
@@ -465,6 +470,7 @@ class ParamGather:
                               if self.unclaimed.intersection(pids)), default=-1)
         self.threaded = queue.bounded
         guard_shutdown()
+        _IN_FLIGHT.add(self)
         if self.threaded:
             _WORKER.submit(queue)
         else:
@@ -567,5 +573,6 @@ class ParamGather:
         if zero is not None:
             zero.last_step_timings["param_wait"] = self.waited
         self.queue = None
+        _IN_FLIGHT.discard(self)
         if self.recorded is None:
             _deactivate(self)

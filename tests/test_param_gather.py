@@ -95,6 +95,12 @@ def _train(rank, pair, it, side=False):
     opt.zero_grad()
 
 
+def _saved_close(saved, ref):
+    """A state_dict saved from the model against the reference model's, entry by entry."""
+    for (name, a), b in zip(ref.state_dict().items(), saved.values()):
+        torch.testing.assert_close(b, a, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def _close(model, ref, what):
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(b.detach(), a.detach(), **TOL,
@@ -578,9 +584,7 @@ def _ends_like_a_script(rank, world, cfg):
             dist.destroy_process_group()
         return True
     time.sleep(0.2)  # (the others are destroying their groups now)
-    saved = cand.module.state_dict()
-    for (name, a), b in zip(ref.module.state_dict().items(), saved.values()):
-        torch.testing.assert_close(b, a, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    _saved_close(cand.module.state_dict(), ref.module)
     dist.destroy_process_group()
     return True
 
@@ -786,9 +790,7 @@ def _dropped_optimizer_scenario(rank, world, cfg):
 
     ref, cand = train()
     gc.collect()
-    saved = cand.module.state_dict()
-    for (name, a), b in zip(ref.module.state_dict().items(), saved.values()):
-        torch.testing.assert_close(b, a, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    _saved_close(cand.module.state_dict(), ref.module)
     return True
 
 

@@ -154,8 +154,6 @@ class _AttributeReads:
 _READS = _AttributeReads()
 
 
-# How many member-only groups this rank made over each set of ranks, by world (see below).
-_MEMBER_GROUPS: dict = {}
 _OWN_SALTS = 1 << 48  # far above any count torch's own group names reach
 
 
@@ -170,12 +168,7 @@ def _members_only_gloo_group(ranks: list[int]):
     world_state = getattr(c10d, "_world", None)
     if world_state is None or not hasattr(type(world_state), "group_count"):
         return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    world = dist.group.WORLD
-    entry = _MEMBER_GROUPS.get(id(world))
-    if entry is None or entry[0] is not world:  # a new world (re-initialised)
-        _MEMBER_GROUPS.clear()
-        entry = _MEMBER_GROUPS[id(world)] = (world, {})
-    made = entry[1]
+    made = sync.this_world("member_groups", dict)  # how many over each set of ranks
     key = tuple(sorted(ranks))
     serial = made.get(key, 0)
     saved = world_state.group_count
@@ -298,7 +291,6 @@ def _release_groups() -> None:
     ("terminate called without an active exception": in 3 of 3 launches of a script at
     world 3 holding its optimizer to the end; 0 of 5 with the references dropped)."""
     sync.release_lanes()
-    _MEMBER_GROUPS.clear()  # (it holds the old world)
     with _WORKER.cond:  # (finished, or failed with its error kept: never pumped again)
         queues = list(_WORKER.jobs)
     for gather in list(_ALL):

@@ -64,19 +64,28 @@ def wire_view(t: torch.Tensor, backend: str) -> torch.Tensor:
     return t
 
 
-_LANES: dict = {}
+# What zero_ext keeps for the current world (torch's default group) alone: the extra
+# groups it made and their counts. A re-initialised world starts afresh; release_lanes
+# drops it all when the world is destroyed.
+_WORLD_STATE: dict = {}
+
+
+def this_world(key: str, make: Callable):
+    """The current world's entry `key` (made by `make()` the first time)."""
+    world = dist.group.WORLD
+    if _WORLD_STATE.get("world") is not world:  # a new world (re-initialised)
+        _WORLD_STATE.clear()
+        _WORLD_STATE["world"] = world
+    if key not in _WORLD_STATE:
+        _WORLD_STATE[key] = make()
+    return _WORLD_STATE[key]
 
 
 def _shared_lanes(n: int) -> list:
     """`n` extra gloo groups over the whole world, made once per world and shared by every
     optimizer (every rank builds its optimizers in the same order, so the collective
     new_group calls match). They go with the world: destroy_process_group() frees them."""
-    world = dist.group.WORLD
-    entry = _LANES.get(id(world))
-    if entry is None or entry[0] is not world:  # a new world (re-initialised)
-        _LANES.clear()
-        entry = _LANES[id(world)] = (world, [])
-    lanes = entry[1]
+    lanes = this_world("shared_lanes", list)
     while len(lanes) < n:
         lanes.append(dist.new_group(backend="gloo"))
     return lanes[:n]
@@ -89,7 +98,7 @@ def release_lanes() -> None:
     """(the world destroyed) Drop every reference to the extra groups, so that they are
     freed now, not at the interpreter's teardown (where gloo's threads, destroyed late,
     abort the process: "terminate called without an active exception")."""
-    _LANES.clear()
+    _WORLD_STATE.clear()
     for ex in list(_EXCHANGERS):
         ex.lanes = ex.lanes[:1]
 

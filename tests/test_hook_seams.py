@@ -40,10 +40,12 @@ def _train_alongside(rank, candidate, reference, iters):
 
 # ------------------------------------------------------------------ the plan changes
 
-def _plan_changes(rank, world, sharding):
+def _plan_changes(rank, world, sharding, state="opt"):
     """add_param_group between backward and step, before any state (SGD without momentum
     keeps none): the fresh partition would give elements reduced to one rank to another,
-    which holds only its local grad."""
+    which holds only its local grad. The added params (the embedding, first in the model)
+    are in DDP's last bucket, all-reduced as no optimizer holds them yet; with the hook's
+    state None that bucket never reaches the optimizer's reducer."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from zero_ext import ZeroRedundancyOptimizer
@@ -56,7 +58,7 @@ def _plan_changes(rank, world, sharding):
     ddp, ref = DDP(net, bucket_cap_mb=SMALL), DDP(_Net(), bucket_cap_mb=SMALL)
     opt = ZeroRedundancyOptimizer(body(net), torch.optim.SGD, sharding=sharding, lr=0.1)
     o_ref = torch.optim.SGD(body(ref.module), lr=0.1)
-    ddp.register_comm_hook(opt, reduce_scatter_hook)
+    ddp.register_comm_hook(opt if state == "opt" else None, reduce_scatter_hook)
     err, untouched = None, None
     for it in range(4):
         if it == 1:  # (DDP's buckets are rebuilt: small ones, reduce-scattered, from here)
@@ -84,10 +86,12 @@ def _plan_changes(rank, world, sharding):
     return err, untouched
 
 
+@pytest.mark.parametrize("state", ["opt", "none"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_partition_changed_after_the_hook_raises_on_every_rank(world):
-    """Flat mode: the new group enlarges every rank's range, so reduced elements move."""
-    for err, untouched in run_world(_plan_changes, world, "flat"):
+def test_partition_changed_after_the_hook_raises_on_every_rank(world, state):
+    """Flat mode: the new group enlarges every rank's range, so reduced elements move.
+    (With state None the step read the moved grads silently, 5e-3 from DDP + SGD.)"""
+    for err, untouched in run_world(_plan_changes, world, "flat", state):
         assert err is not None and err[0] == "RuntimeError", err
         assert "add_param_group" in err[1] and "partition" in err[1], err
         assert untouched
@@ -286,6 +290,43 @@ def _second_optimizer(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_second_optimizer_over_a_shared_bucket(world):
     _same_everywhere(run_world(_second_optimizer, world))
+
+
+def _clip_with_a_foreign_last_bucket(rank, world):
+    """The embedding (first in the model: DDP's last bucket) under a plain SGD, the rest
+    under zero_ext with the hook's state None, and torch's clip_grad_norm_ over the body's
+    partial grads after backward: the step must raise on every rank, with nothing stepped.
+    (The record of what the hook reduced was queued only at a last bucket that reached the
+    optimizer: here the clip went unseen and the step read clipped partial grads.)"""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    net = _Net()
+    ddp = DDP(net, bucket_cap_mb=SMALL)
+    emb = list(net.emb.parameters())
+    body = [p for n, p in net.named_parameters() if not n.startswith("emb")]
+    sgd = torch.optim.SGD(emb, lr=0.1)
+    zero = ZeroRedundancyOptimizer(body, torch.optim.AdamW, sharding="flat", **HP)
+    ddp.register_comm_hook(None, reduce_scatter_hook)
+    for it in range(2):  # (DDP's first iteration all-reduces everything)
+        _step_loss(ddp, rank, it).backward()
+        if it == 1:
+            torch.nn.utils.clip_grad_norm_(body, 1e-3)
+        sgd.step()
+        before = [p.detach().clone() for p in body]
+        err = error_of(zero.step)
+        zero.zero_grad()
+        sgd.zero_grad()
+    return err, all(torch.equal(a, b) for a, b in zip(before, body))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_torch_clip_with_the_last_bucket_under_another_optimizer_raises(world):
+    for err, untouched in run_world(_clip_with_a_foreign_last_bucket, world):
+        assert err is not None and "clip_grad_norm_" in err[1], err
+        assert untouched
 
 
 # ------------------------------------------------------------------ odd params

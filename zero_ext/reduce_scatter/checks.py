@@ -51,10 +51,12 @@ def check_grads(opt, scaler: bool, error: BaseException | None
             "here)")
     if reducer is None:
         return bool(foreign), error
-    if reducer.record.seen is None:
+    # (before the record is asked: a partition changed since a reduction is wrong whether
+    # or not the backward's record ran; every rank reduced the same params)
+    moved = reducer.record.moved_ownership()
+    if reducer.record.seen is None and not moved:
         reducer.start_step()
         return bool(foreign), error
-    moved = reducer.record.moved_ownership()
     if moved and error is None:
         error = RuntimeError(
             f"ZeroRedundancyOptimizer.step: the partition of params {_some(moved)} changed "

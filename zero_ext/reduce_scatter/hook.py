@@ -170,6 +170,12 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
     opt = _owner_of(bucket, state)
     ddp, group = _ddp_of(bucket)
     if opt is None:  # no zero_ext optimizer holds these params: DDP's own all-reduce
+        if bucket.is_last():
+            # DDP's last bucket ends this backward: the record of the grads reduced for
+            # any optimizer is queued here too, or their step would read them unchecked
+            # (a partition changed since by add_param_group, a clip of partial grads)
+            for reducer in list(_REDUCERS.values()):
+                reducer.record.after_bucket(bucket)
         if group is _SEVERAL:
             raise ValueError(
                 "reduce_scatter_hook: the params of DDP bucket "

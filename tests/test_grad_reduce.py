@@ -347,7 +347,7 @@ def test_unknown_transport_is_a_value_error(monkeypatch):
 
     monkeypatch.setattr(transport, "TRANSPORT", "ring")
     with pytest.raises(ValueError, match="ZERO_EXT_HOOK_TRANSPORT"):
-        transport.reduce_scatters(torch.zeros(1), None, [1])
+        transport.reduces_by_scatter(torch.zeros(1), "gloo", [1])
 
 
 def test_auto_takes_reduce_scatter_on_nccl_only_for_near_equal_shares(monkeypatch):
@@ -359,15 +359,13 @@ def test_auto_takes_reduce_scatter_on_nccl_only_for_near_equal_shares(monkeypatc
 
     cuda = SimpleNamespace(is_cuda=True)
     monkeypatch.setattr(grad_reduce, "TRANSPORT", "auto")
-    monkeypatch.setattr(grad_reduce, "_is_nccl", lambda group: True)
-    assert grad_reduce.reduce_scatters(cuda, None, [100, 100, 100, 100])
-    assert grad_reduce.reduce_scatters(cuda, None, [100, 100, 100, 90])  # chunk rounding
-    assert not grad_reduce.reduce_scatters(cuda, None, [400, 0, 0, 0])
-    assert not grad_reduce.reduce_scatters(cuda, None, [150, 100, 100, 50])
-    assert not grad_reduce.reduce_scatters(SimpleNamespace(is_cuda=False), None,
-                                           [100, 100, 100, 100])
-    monkeypatch.setattr(grad_reduce, "_is_nccl", lambda group: False)  # gloo
-    assert not grad_reduce.reduce_scatters(cuda, None, [100, 100, 100, 100])
+    by_scatter = grad_reduce.reduces_by_scatter
+    assert by_scatter(cuda, "nccl", [100, 100, 100, 100])
+    assert by_scatter(cuda, "nccl", [100, 100, 100, 90])  # chunk rounding
+    assert not by_scatter(cuda, "nccl", [400, 0, 0, 0])
+    assert not by_scatter(cuda, "nccl", [150, 100, 100, 50])
+    assert not by_scatter(SimpleNamespace(is_cuda=False), "nccl", [100, 100, 100, 100])
+    assert not by_scatter(cuda, "gloo", [100, 100, 100, 100])
 
 
 def _fp16_large_grads(rank, world, transport):
@@ -641,9 +639,12 @@ def _accumulate(rank, world, how):
     o_ref = torch.optim.AdamW(ref.module.parameters(), **HP)
     for it in range(2):
         ddp(_batch(rank, it)).square().mean().backward()
-        if "zeroed" in how:
+        if "zeroed" in how and "after-forward" not in how:
             ddp.zero_grad(set_to_none=False)  # the first micro-batch discarded, in place
-        ddp(_batch(rank, it, 1)).square().mean().backward()
+        loss = ddp(_batch(rank, it, 1)).square().mean()
+        if "after-forward" in how:  # (zeroed between the forward and its backward)
+            ddp.zero_grad(set_to_none=False)
+        loss.backward()
         try:
             opt.step()
         except RuntimeError as exc:
@@ -658,7 +659,8 @@ def _accumulate(rank, world, how):
 
 
 @pytest.mark.parametrize("how", ["one-bucket", "buckets", "one-bucket-grad-view",
-                                 "one-bucket-zeroed", "buckets-zeroed-grad-view"])
+                                 "one-bucket-zeroed", "buckets-zeroed-grad-view",
+                                 "buckets-zeroed-after-forward"])
 def test_two_backwards_without_no_sync(how):
     msgs = run_world(_accumulate, 2, how)
     for m in msgs:
@@ -707,3 +709,24 @@ def _zero_grad_then_step(rank, world):
 
 def test_zero_grad_then_step_is_not_an_error():
     assert all(run_world(_zero_grad_then_step, 2))
+
+
+def _pickled(rank, world):
+    """What the hook leaves on the DDP model (a forward hook that watches for a second
+    backward) pickles and deep-copies with it, as torch.save(ddp) and copy.deepcopy do;
+    the copy trains on as a plain model."""
+    import copy
+    import io
+
+    _, (zero, opt) = _pair(rank, dict(sharding="flat"))
+    for it in range(3):
+        _iteration(rank, it, zero, opt, {}, False)
+    buf = io.BytesIO()
+    torch.save(zero, buf)
+    twin = copy.deepcopy(zero)
+    twin.module(_batch(rank, 0)).sum().backward()
+    return buf.tell() > 0
+
+
+def test_ddp_with_the_hook_pickles_and_deepcopies():
+    assert all(run_world(_pickled, 2))

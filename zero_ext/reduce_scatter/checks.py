@@ -18,8 +18,9 @@ def _reduced_for_another(opt, reducer) -> list[int]:
     """Indices of `opt`'s params whose current grad the hook reduce-scattered for another
     optimizer (the hook's state is an optimizer since replaced): each rank holds the
     averaged grad only where that one's plan gave it the elements."""
-    if not _Cut.made:
-        return []
+    if not any(reducer is None or c.record() is not reducer.record
+               for c in list(_Cut.unconsumed)):
+        return []  # (no grad carries another's tag not yet read)
     out = []
     for i, p in enumerate(opt.hook_seam.params):
         cut = None if p.grad is None else getattr(p.grad, "_zero_ext_cut", None)
@@ -116,10 +117,9 @@ def gather_grads(opt) -> None:
     # was done to them before, on partial grads, the step still checks
     reducer.record.gathered_changes.update({i: c for i, c in changed.items()
                                      if c == "replaced" or c[0]})
+    reducer.record.forget(ids)
     for i in ids:
         g = opt.hook_seam.params[i].grad
-        reducer.record.seen.pop(i, None)
-        reducer.record.reduced_under.pop(i, None)
         if g is not None and getattr(g, "_zero_ext_cut", None) is not None:
             g._zero_ext_cut = None
 

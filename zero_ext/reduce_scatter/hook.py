@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..seam import HookSeam, newest_holding
 from . import plan
-from .record import Record
+from .record import Record, arm_before_backward
 from .transport import Transfers
 
 
@@ -35,16 +35,24 @@ class GradReducer:
     def replica_group(self, group) -> None:
         self.transfers.replica_group = group
 
-    def bucket_plan(self, bucket) -> "plan.BucketPlan | None":
+    def bucket_plan(self, bucket, params=None) -> "plan.BucketPlan | None":
         return plan.cut(bucket, self.seam.ownership(), self.seam.param_index(),
-                        self.transfers.world, self.buckets)
+                        self.transfers.world, self.buckets, params)
 
     def start_step(self) -> None:
-        """The step reads the grads: the record is consumed, the transfers start afresh."""
+        """The step reads the grads: the record is consumed, the transfers start afresh.
+        Plans no backward used since the last step let go of their views (of a DDP model's
+        bucket buffers: one replaced or gone keeps no memory alive past one step)."""
         self.record.start_step()
         self.transfers.restart()
+        for bp in self.buckets.values():
+            if not bp.used:
+                for seg in bp.segments:
+                    seg.views.clear()
+            bp.used = False
 
     def reduce(self, bucket, bp: "plan.BucketPlan") -> torch.futures.Future:
+        bp.used = True
         self.record.reduced(bp.param_ids, self.seam.ownership())
         return self.transfers.reduce(bucket.buffer(), bp.segments)
 
@@ -84,11 +92,11 @@ _DDP_OF: dict = {}
 _SEVERAL = object()
 
 
-def _ddp_of(bucket) -> tuple:
+def _ddp_of(p: torch.Tensor) -> tuple:
     """(the DDP model whose bucket this is, or None when several or none hold its params;
     its process group, or _SEVERAL, or None when no DDP model was found). One scan of the
-    live objects per bucket layout (DDP rebuilds its buckets once), cached after."""
-    p = bucket.parameters()[0]
+    live objects per bucket layout (DDP rebuilds its buckets once), cached after. `p`: the
+    bucket's first param."""
     entry = _DDP_OF.get(id(p))
     if entry is None or entry[0]() is not p:
         found = _ddp_holding(p)
@@ -130,6 +138,9 @@ def check_layout(reducer, ddp, group) -> None:
     opt = reducer.seam.optimizer
     if ddp is not None:
         reducer.checked_ddps.add(ddp)
+        arm_before_backward(ddp, reducer.record)
+    else:  # (which DDP's forward precedes a backward is unknown: every grad is watched)
+        reducer.record.watch_all()
     if group is None or group is _SEVERAL:
         return  # (unknown: the groups cannot be compared)
     theirs = sorted(dist.get_process_group_ranks(group))
@@ -150,13 +161,15 @@ def check_layout(reducer, ddp, group) -> None:
             "shard group)")
 
 
-def _owner_of(bucket, state: Any):
+def _owner_of(first: torch.Tensor, state: Any):
     if state is not None:
         if not isinstance(getattr(state, "hook_seam", None), HookSeam):
-            raise TypeError("reduce_scatter_hook: the hook's state must be a zero_ext "
-                            f"ZeroRedundancyOptimizer or None, got {type(state).__name__}")
+            raise TypeError(
+                "reduce_scatter_hook: the hook's state must be a "
+                "zero_ext.ZeroRedundancyOptimizer or None, got "
+                f"{type(state).__module__}.{type(state).__qualname__}")
         return state
-    return newest_holding(bucket.parameters()[0])
+    return newest_holding(first)
 
 
 @torch._disable_dynamo  # a backward inside a compiled function: collective, data-dependent
@@ -167,8 +180,9 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
     bucket's params). Register with ``ddp.register_comm_hook(opt_or_None,
     reduce_scatter_hook)``; then call ``opt.clip_grad_norm_`` (not torch's) and
     ``opt.step()`` as usual. See the module docstring for what ``.grad`` holds."""
-    opt = _owner_of(bucket, state)
-    ddp, group = _ddp_of(bucket)
+    params = bucket.parameters()  # (once: a list made anew by each call)
+    opt = _owner_of(params[0], state)
+    ddp, group = _ddp_of(params[0])
     if opt is None:  # no zero_ext optimizer holds these params: DDP's own all-reduce
         if bucket.is_last():
             # DDP's last bucket ends this backward: the record of the grads reduced for
@@ -201,7 +215,7 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
             # bucket_cap_mb afterwards; reduce-scattering it would need scratch of the
             # model's size for the whole run. All-reduced as DDP does: its bytes, once.
             return _all_reduce(bucket, group)
-        bp = reducer.bucket_plan(bucket)
+        bp = reducer.bucket_plan(bucket, params)
         if bp is None:  # (params of no or another optimizer: DDP's all-reduce)
             return _all_reduce(bucket, group)
         return reducer.reduce(bucket, bp)

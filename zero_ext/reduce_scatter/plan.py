@@ -5,19 +5,19 @@ bounded by one segment per lane, whatever DDP's bucket_cap_mb is).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
-# Bytes one segment of the hook moves at most: a larger DDP bucket travels as several
-# segments, each taking its share of every rank's runs, so the scratch (a receive buffer
-# of the other ranks' copies of this rank's share, a packed send buffer) stays bounded by
-# the segments in flight (one per lane), whatever bucket_cap_mb is. Each segment costs a
-# collective and its Python, so fewer are faster, at the price of the scratch: on the
-# 33.6M-param MLP over loopback at world 2, the hook over no hook took -0.07..+0.04 of
-# DDP's iteration with 8 MB (8 runs), against -0.02..+0.07 with 4 MB (4 runs), and 8 MB
-# kept its peak RSS within 57 MB of plain zero_ext (16 MB: up to +72; docs/performance.md).
-# ZERO_EXT_HOOK_SEGMENT_BYTES sets it (benchmarks; every rank alike).
-SEGMENT_BYTES = int(os.environ.get("ZERO_EXT_HOOK_SEGMENT_BYTES", 8 << 20))
+# Bytes of a DDP bucket one collective of the hook moves at most: a larger bucket travels
+# as several segments, each taking its share of every rank's runs, so that the scratch (a
+# packed send buffer, a receive buffer of the other ranks' copies of this rank's share)
+# stays bounded by the segments in flight (one per lane), whatever bucket_cap_mb is. Above
+# DDP's default bucket (25 MB), so that a bucket is one collective: each costs the host
+# 0.1-0.5 ms (Python, the backend's call), which a GPU's iteration pays in full. At 8 MB,
+# GPT-2 small's 19 buckets were 68 collectives per backward, 1.53x DDP's iteration on an
+# H200 at world 1. ZERO_EXT_HOOK_SEGMENT_BYTES sets it (benchmarks, tests; every rank
+# alike). docs/performance.md gives the memory this costs.
+SEGMENT_BYTES = int(os.environ.get("ZERO_EXT_HOOK_SEGMENT_BYTES", 32 << 20))
 
 
 @dataclass
@@ -30,6 +30,9 @@ class Segment:
     start: int             # where the first run starts in the bucket
     in_place: bool         # the runs in rank order are contiguous from `start`: the send
     #                        is that slice of the bucket itself, no packing
+    # (the transport's, kept with the segment) lane -> its views of the bucket and scratch
+    views: dict = field(default_factory=dict)
+    backends: dict = field(default_factory=dict)  # id(group) -> backend name
 
 
 @dataclass
@@ -40,16 +43,18 @@ class BucketPlan:
     plan_key: object       # the token of the ownership map it was cut by
     param_ids: tuple       # their indices in the optimizer's params
     splits: list           # elements owned by each rank
-    segments: list         # [Segment], each moved by one all_to_all
+    segments: list         # [Segment], each moved by one collective
+    used: bool = False     # reduced since the last step (else its views are let go)
 
 
-def cut(bucket, ownership, index: dict, world: int, cache: dict) -> "BucketPlan | None":
+def cut(bucket, ownership, index: dict, world: int, cache: dict,
+        params=None) -> "BucketPlan | None":
     """The plan of DDP's `bucket` under `ownership` (the seam's Ownership; `index`: id(param)
     -> the optimizer's index of it), or None when the bucket holds params the optimizer does
     not own entirely (then it is all-reduced). Plans are kept in `cache` until the bucket's
-    params or the ownership change."""
-    params = bucket.parameters()
-    ident = tuple(id(p) for p in params)
+    params or the ownership change. `params`: the bucket's, when the caller has them."""
+    params = bucket.parameters() if params is None else params
+    ident = tuple(map(id, params))
     owned = ownership.runs
     key = (ident[0], bucket.index())  # (several DDP models: each has a bucket 0)
     bp = cache.get(key)

@@ -16,13 +16,20 @@ import torch
 
 
 class Record:
-    """One optimizer's grads reduced since its last step, and how they were seen."""
+    """One optimizer's grads reduced since its last step, and how they were seen.
+
+    Its costs are per bucket (what the hook reduced) and per step or record (one pass over
+    the recorded grads); nothing runs per param in a normal training loop's backward: the
+    grads of a backward that adds onto reduced grads are watched only when such grads
+    exist as the backward is about to start (`arm`, from DDP's forward)."""
 
     def __init__(self, seam):
         self.seam = seam
         self.accumulated = False  # a backward ran onto reduced grads
-        self._watched = 0         # params whose incoming grads are watched
-        self.pending: set[int] = set()  # params reduced, their grads not read yet
+        # (param ids of a bucket, the seam's Ownership it was cut by), per bucket reduced:
+        # since the last record, and since the last step
+        self.pending: list[tuple] = []
+        self.reduced_under: list[tuple] = []
         self._record_queued = False  # a record of `pending` runs after DDP's write-back
         # param_id -> (weakref to its grad, the grad's version) once DDP wrote it (weak: a
         # grad dropped by zero_grad is freed); params whose buckets were all-reduced have
@@ -32,22 +39,21 @@ class Record:
         # what changed grads had undergone when gather_grads made them whole (changes()):
         # a clip of partial grads before the gather is still an error at the step
         self.gathered_changes: dict = {}
-        self.reduced_under: dict = {}  # param_id -> the seam's Ownership it was cut by
+        self._armed: list = []  # hooks on the incoming grads of untouched reduced grads
+        self._watched = 0  # params watched on every backward (the fallback of watch_all)
 
-    def reduced(self, param_ids, ownership) -> None:
-        """The hook reduce-scatters these params' grads under `ownership`."""
-        for pid in param_ids:
-            self.reduced_under[pid] = ownership
-        self.pending.update(param_ids)
+    def reduced(self, param_ids: tuple, ownership) -> None:
+        """The hook reduce-scatters these params' grads (one bucket's) under `ownership`."""
+        self.pending.append(param_ids)
+        self.reduced_under.append((param_ids, ownership))
 
     def after_bucket(self, bucket) -> None:
-        """After the hook ran for `bucket` (here, on the autograd thread): watch incoming
-        grads, and at DDP's last bucket queue the record of the grads reduced since the
-        last record, to run once DDP has written them back. DDP queues its write-back
-        (finalize) right after the last bucket's hook, into the graph task running now (the
-        innermost backward, under reentrant activation checkpointing); a callback queued
-        from a callback that runs before it comes after it."""
-        self._watch_accumulation()
+        """After the hook ran for `bucket` (here, on the autograd thread): at DDP's last
+        bucket queue the record of the grads reduced since the last record, to run once
+        DDP has written them back. DDP queues its write-back (finalize) right after the last
+        bucket's hook, into the graph task running now (the innermost backward, under
+        reentrant activation checkpointing); a callback queued from a callback that runs
+        before it comes after it."""
         if not bucket.is_last() or not self.pending or self._record_queued:
             return
         engine = torch.autograd.Variable._execution_engine
@@ -57,11 +63,34 @@ class Record:
         except RuntimeError:  # not inside a backward (DDP's join hook runs buckets itself)
             pass
 
-    def _watch_accumulation(self) -> None:
-        """A hook on every trainable param's incoming grad (registered once per param)
-        notices a backward that adds onto a grad this hook reduced, untouched since (no
-        step, no zero_grad between): the elements a rank does not own hold its local grad,
-        so the next reduction would mix averaged and local grads. The next step raises."""
+    # ---------------------------------------------------------------- accumulation
+    def arm(self) -> None:
+        """(a DDP model's forward, before its backward) A backward that adds onto a grad
+        this hook reduced, untouched since (no step, no zero_grad between), would mix
+        averaged and local grads in the next reduction: the elements a rank does not own
+        hold its local grad. Such grads exist here only when a script runs a second backward
+        without a step (nothing to do in a normal loop, where the step consumed the record):
+        their incoming grads are watched until the step, which then raises."""
+        self.disarm()
+        if not self.seen:
+            return
+        params = self.seam.params
+        me = weakref.ref(self)
+        for i, (ref, version) in self.seen.items():
+            g = params[i].grad
+            if g is not None and g is ref() and g._version == version:
+                self._armed.append(params[i].register_hook(
+                    functools.partial(_incoming_grad, me, i)))
+
+    def disarm(self) -> None:
+        for handle in self._armed:
+            handle.remove()
+        self._armed = []
+
+    def watch_all(self) -> None:
+        """Where the hook cannot tell which DDP model's forward comes before a backward
+        (the bucket's params are held by several DDP models), every trainable param's
+        incoming grad is watched instead, on every backward (registered once per param)."""
         params = self.seam.params
         me = weakref.ref(self)
         for i in range(self._watched, len(params)):
@@ -69,6 +98,7 @@ class Record:
                 params[i].register_hook(functools.partial(_incoming_grad, me, i))
         self._watched = len(params)
 
+    # ---------------------------------------------------------------- the record
     @torch._disable_dynamo
     def _record(self) -> None:
         """Each grad reduced since the last record, as DDP wrote it: its identity, its
@@ -79,21 +109,31 @@ class Record:
         if self.seam.optimizer is None:
             return
         params = self.seam.params
-        pending, self.pending = self.pending, set()
+        pending, self.pending = self.pending, []
         if self.seen is None:
             self.seen = {}
+        seen = self.seen
         cut = _Cut(self)
         self.cuts.append(cut)
-        _Cut.made = True
-        for i in pending:
-            g = params[i].grad
-            if g is not None:
-                self.seen[i] = (weakref.ref(g), g._version)
-                g._zero_ext_cut = cut
+        for ids in pending:
+            for i in ids:
+                g = params[i].grad
+                if g is not None:
+                    seen[i] = (weakref.ref(g), g._version)
+                    g._zero_ext_cut = cut
 
     def start_step(self) -> None:
         """The step reads the grads: what the backward passes left is consumed."""
-        self.seen, self.cuts, self.reduced_under, self.gathered_changes = None, [], {}, {}
+        self.seen, self.cuts, self.reduced_under, self.gathered_changes = None, [], [], {}
+        self.disarm()
+
+    def forget(self, ids) -> None:
+        """(gather_grads) These params' grads are whole again: nothing to check of them."""
+        ids = set(ids)
+        for i in ids:
+            self.seen.pop(i, None)
+        self.reduced_under = [(tuple(i for i in pids if i not in ids), own)
+                              for pids, own in self.reduced_under]
 
     def moved_ownership(self) -> list[int]:
         """Indices of reduced params whose owners changed since the reduction (a new
@@ -101,9 +141,12 @@ class Record:
         if not self.reduced_under:
             return []
         now = self.seam.ownership()
-        return sorted(i for i, then in self.reduced_under.items()
-                      if then.token is not now.token
-                      and sorted(then.runs.get(i, ())) != sorted(now.runs.get(i, ())))
+        moved = set()
+        for ids, then in self.reduced_under:
+            if then.token is not now.token:  # (one test per bucket while nothing changed)
+                moved.update(i for i in ids if sorted(then.runs.get(i, ()))
+                             != sorted(now.runs.get(i, ())))
+        return sorted(moved)
 
     def changes(self, ids=None) -> dict:
         """param_id -> "replaced", or (its version bumps since the hook, its grad's counter
@@ -124,7 +167,7 @@ class Record:
         if self.seen is None:
             return []
         for cut in self.cuts:
-            cut.consumed = True
+            cut.consume()
         # A grad's version counter is shared by every grad viewing one buffer (DDP's
         # gradient_as_bucket_view); GradScaler's pass (its inf check in step(), or
         # unscale_) bumps it once per such grad, where its kernel bumps versions at all.
@@ -144,12 +187,43 @@ class _Cut:
     optimizer's step has read them. On the grads, not in a registry, so that every rank
     sees the same tags whether or not the old optimizer is still alive."""
 
-    __slots__ = ("record", "consumed")
-    made = False  # any in this process: else no grad needs looking at
+    __slots__ = ("record", "consumed", "__weakref__")
+    # those not consumed yet, of any optimizer: a step looks at its grads' tags only when
+    # one of another optimizer is among them (one test per step in a normal loop)
+    unconsumed: "weakref.WeakSet" = weakref.WeakSet()
 
     def __init__(self, record):
         self.record = weakref.ref(record)
         self.consumed = False
+        _Cut.unconsumed.add(self)
+
+    def consume(self) -> None:
+        self.consumed = True
+        _Cut.unconsumed.discard(self)
+
+
+def arm_before_backward(ddp, record: Record) -> None:
+    """After every forward of `ddp` (a forward hook, registered once per DDP model and
+    record), `record.arm()`: the backward that follows is the next one through the hook."""
+    handle = ddp.register_forward_hook(_ArmBeforeBackward(record))
+    weakref.finalize(record, handle.remove)  # (an optimizer gone: its hook goes too)
+
+
+class _ArmBeforeBackward:
+    """The forward hook of arm_before_backward: a weak reference to the record; pickled or
+    copied with the DDP model as nothing (a hook that does nothing)."""
+
+    def __init__(self, record: Record | None):
+        self.record = None if record is None else weakref.ref(record)
+
+    @torch._disable_dynamo
+    def __call__(self, module, args, output) -> None:
+        r = None if self.record is None else self.record()
+        if r is not None and r.seen:
+            r.arm()
+
+    def __reduce__(self):
+        return (_ArmBeforeBackward, (None,))
 
 
 _SCALER_BUMPS: dict = {}
@@ -169,8 +243,8 @@ def _scaler_bumps_versions(device: torch.device) -> bool:
 
 @torch._disable_dynamo
 def _incoming_grad(record_ref, i: int, grad):
-    """Tensor hook of param i (see Record._watch_accumulation): runs before autograd adds
-    `grad` to the param's .grad."""
+    """Tensor hook of param i (see Record.arm): runs before autograd adds `grad` to the
+    param's .grad."""
     r = record_ref()
     s = None if r is None or r.seen is None else r.seen.get(i)
     if s is not None:

@@ -16,7 +16,6 @@ in which order, into which scratch.
   the bucket with the share in its middle): the sum reads it in the bucket.
 """
 # (no `from __future__ import annotations`: kept alike with the hook's module)
-import itertools
 import mmap
 import os
 import threading
@@ -46,16 +45,17 @@ def _is_nccl(group) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
 
 
-def reduce_scatters(buf: torch.Tensor, group, splits: list) -> bool:
+def reduces_by_scatter(buf: torch.Tensor, backend: str, splits: list) -> bool:
     """Whether a segment of `buf` with these owners' `splits` travels by
-    reduce_scatter_tensor over `group` (decided from the plan: alike on every rank)."""
+    reduce_scatter_tensor over a group of `backend` (decided from the plan: alike on every
+    rank)."""
     if TRANSPORT not in TRANSPORTS:
         raise ValueError(f"ZERO_EXT_HOOK_TRANSPORT must be one of {TRANSPORTS}, got "
                          f"{TRANSPORT!r}")
     if TRANSPORT != "auto":
         return TRANSPORT == "reduce_scatter"
     padded = len(splits) * max(splits)
-    return (buf.is_cuda and _is_nccl(group)
+    return (buf.is_cuda and "nccl" in backend
             and padded <= (1 + REDUCE_SCATTER_MAX_PADDING) * sum(splits))
 
 
@@ -89,6 +89,11 @@ class Transfers:
 
     def reduce(self, buf: torch.Tensor, segments: list) -> torch.futures.Future:
         """The future of `buf` (a DDP bucket) once every segment's owned sum is in it."""
+        if self.world == 1 and self.replica_group is None:
+            # (nothing to send, nothing to average: the bucket is its own sum)
+            done = _future_on(buf)
+            done.set_result(buf)
+            return done
         futs = [self._reduce_segment(buf, seg) for seg in segments]
         if len(futs) == 1:
             return futs[0]
@@ -101,7 +106,7 @@ class Transfers:
 
     def _reduce_segment(self, buf: torch.Tensor, seg: Segment) -> torch.futures.Future:
         seq, self.seq = self.seq, self.seq + 1
-        world, me = self.world, self.rank
+        me = self.rank
         mine = seg.splits[me]
         # gloo moves one op per process group at a time: consecutive segments alternate
         # between the exchange's lanes (groups over the same ranks) to travel at once
@@ -114,27 +119,17 @@ class Transfers:
         if prev is not None:
             prev.wait()  # the lane's last segment, written back: its scratch is free again
         replicas = self.replica_group
-        total = world * (1 if replicas is None else dist.get_world_size(replicas))
-        # (divisor: what the sum is still to be divided by)
-        if reduce_scatters(buf, lanes[lane], seg.splits):
-            work, owned_sum, divisor = self._issue_reduce_scatter(lanes[lane], lane, buf, seg,
-                                                                  me, total)
+        total = self.world * (1 if replicas is None else dist.get_world_size(replicas))
+        group = lanes[lane]
+        backend = seg.backends.get(id(group))
+        if backend is None:  # (asked once per segment and lane: ~20 us a call)
+            backend = seg.backends[id(group)] = str(dist.get_backend(group)).lower()
+        if reduces_by_scatter(buf, backend, seg.splits):
+            work, owned_sum, write_back = self._issue_reduce_scatter(group, lane, buf, seg,
+                                                                     me, total)
         else:
-            work, owned_sum, divisor = self._issue_all_to_all(lanes[lane], lane, buf, seg, me,
-                                                              total, direct=replicas is None)
-
-        def write_back(summed) -> torch.Tensor:
-            if summed is None:  # (direct: in the runs already)
-                for o, n in seg.runs[me]:
-                    buf[o:o + n].div_(divisor)
-                return buf
-            if divisor != 1:
-                summed.div_(divisor)
-            pos = 0
-            for o, n in seg.runs[me]:
-                buf[o:o + n].copy_(summed[pos:pos + n])
-                pos += n
-            return buf
+            work, owned_sum, write_back = self._issue_all_to_all(
+                group, backend, lane, buf, seg, me, total, direct=replicas is None)
 
         if replicas is None:
             done = _future_of(work, buf).then(
@@ -169,17 +164,20 @@ class Transfers:
         self.in_flight[lane] = result
         return result
 
-    def _issue_all_to_all(self, group, lane: int, buf: torch.Tensor, seg: Segment,
-                          me: int, total: int, direct: bool):
+    def _issue_all_to_all(self, group, backend: str, lane: int, buf: torch.Tensor,
+                          seg: Segment, me: int, total: int, direct: bool):
         """Every rank's runs to their owner in one all_to_all (raw bytes: any dtype on
         gloo), then the W copies summed here. Returns the work, the function that gives
         this rank's sum in run order (None: already summed into the runs of `buf`), and
-        what that sum is still to be divided by (`total`).
+        the one that writes that sum, divided by `total`, into the bucket.
 
         This rank's own share does not travel: it is read from `buf` where the sum needs
         it (a send that must be packed leaves it out; a send that is a slice of the bucket
         leaves it out when it is at an end), so the scratch holds the other W - 1 shares
-        (at world 2 half of it) and nothing is copied to itself."""
+        (at world 2 half of it) and nothing is copied to itself.
+
+        Each step is one tensor op over all the runs (torch.cat, the _foreach ops), on
+        views made once per bucket buffer and scratch (_AllToAllViews)."""
         world, mine = len(seg.splits), seg.splits[me]
         low = buf.dtype in (torch.bfloat16, torch.float16)  # summed in float32
         # full-precision sums without replicas go straight into this rank's runs of the
@@ -192,59 +190,57 @@ class Transfers:
         out_splits = [mine] * world
         if home:
             in_splits[me] = out_splits[me] = 0
+        send = (None if seg.in_place
+                else self._scratch(lane, "send", sum(in_splits), buf))
+        recv = self._scratch(lane, "recv", sum(out_splits), buf)
+        acc = None if direct else self._scratch(lane, "sum", mine, buf,
+                                                torch.float32 if low else buf.dtype)
+        v = seg.views.get(lane)
+        key = (buf.data_ptr(), _ptr(send), recv.data_ptr(), _ptr(acc))
+        if v is None or v.key != key:
+            v = seg.views[lane] = _AllToAllViews(key, buf, seg, me, home, send, recv, acc)
         if seg.in_place:
             send = buf[seg.start:seg.start + size]
             if home:
                 send = send[mine:] if me == 0 else send[:size - mine]
-        else:
-            send = self._scratch(lane, "send", sum(in_splits), buf)
-            runs = [[] if home and r == me else rr for r, rr in enumerate(seg.runs)]
-            pack(send, buf, runs, list(itertools.accumulate([0] + in_splits[:-1])))
-        recv = self._scratch(lane, "recv", sum(out_splits), buf)
-        acc = None if direct else self._scratch(lane, "sum", mine, buf,
-                                                torch.float32 if low else buf.dtype)
-        backend = dist.get_backend(group)
+        elif v.send_parts:
+            torch.cat(v.send_parts, out=send)
         work = dist.all_to_all_single(wire_view(recv, backend), wire_view(send, backend),
                                       output_split_sizes=out_splits,
                                       input_split_sizes=in_splits, group=group,
                                       async_op=True)
 
-        def received(pos: int, n: int) -> list:
-            """Elements [pos, pos + n) of this rank's share as each rank that sent it sent
-            it, in rank order (called only when the share is not empty)."""
-            return [row[pos:pos + n] for row in recv.view(-1, mine).unbind(0)]
-
-        def chain_of_adds(parts, out) -> None:
-            # 2.4x faster than torch.sum over the rank dim on one CPU thread (4.2M fp32
-            # elements: 3.1 vs 7.6 ms)
-            if len(parts) == 1:
-                out.copy_(parts[0])
-            elif low:  # (add_ into a float32 tensor sums in float32)
-                out.copy_(parts[0]).add_(parts[1])
-            else:
-                torch.add(parts[0], parts[1], out=out)
-            for part in parts[2:]:
-                out.add_(part)
-
         # The own share that stayed home is the first part: the sum is written over it,
         # so it must be read first. (Float addition commutes: at world 2 the sum is bitwise
         # the rank-order one; from world 3 the order of its additions depends on `me`.)
         def owned_sum():
-            if not direct:
-                parts = received(0, mine)
-                if home:  # this rank's runs, packed into the sum (float32 if low)
-                    pack(acc, buf, [seg.runs[me]], [0])
-                    parts = [acc] + parts
-                chain_of_adds(parts, acc)
-                return acc
-            pos = 0
-            for o, n in seg.runs[me]:
-                run = buf[o:o + n]
-                chain_of_adds(([run] if home else []) + received(pos, n), run)
-                pos += n
-            return None
+            if direct:  # into this rank's runs of the bucket, rank by rank
+                rows = v.rows
+                if not home:
+                    torch._foreach_copy_(v.own, rows[0])
+                    rows = rows[1:]
+                for row in rows:
+                    torch._foreach_add_(v.own, row)
+                return None
+            rows = v.recv_rows  # (whole rows: contiguous; add_ into float32 sums in it)
+            if home:  # this rank's runs, packed into the sum (float32 if low)
+                torch._foreach_copy_(v.acc_parts, v.own)
+            else:
+                acc.copy_(rows[0])
+                rows = rows[1:]
+            for row in rows:
+                acc.add_(row)
+            return acc
 
-        return work, owned_sum, total
+        def write_back(summed) -> torch.Tensor:
+            if summed is None:  # (direct: in the runs already)
+                torch._foreach_div_(v.own, total)
+                return buf
+            summed.div_(total)
+            torch._foreach_copy_(v.own, v.acc_parts)
+            return buf
+
+        return work, owned_sum, write_back
 
     def _issue_reduce_scatter(self, group, lane: int, buf: torch.Tensor, seg: Segment,
                               me: int, total: int):
@@ -252,19 +248,16 @@ class Transfers:
         wire in the grads' dtype, as DDP's all-reduce sums): rank r's runs packed into the
         r-th of W equal blocks (the largest rank's share; the rest of a block is padding
         nobody reads). With a single owned run of the block's length the output is that
-        run of the bucket itself. float16 grads are divided by `total` while packed, before
+        run of the bucket itself. float16 grads are divided by `total` once packed, before
         the sum (as DDP divides before its all-reduce): W copies summed on the wire would
-        overflow from 65504 / W. Returns the work, the function that gives this rank's sum,
-        and what that sum is still to be divided by."""
+        overflow from 65504 / W. Returns the work, the function that gives this rank's
+        sum, and the one that writes it, divided, into the bucket."""
         world, mine = len(seg.splits), seg.splits[me]
         block = max(seg.splits)
         first = buf.dtype == torch.float16
-        if seg.in_place and all(n == block for n in seg.splits) and not first:
-            send = buf[seg.start:seg.start + block * world]
-        else:
-            send = self._scratch(lane, "send", block * world, buf)
-            pack(send, buf, seg.runs, [r * block for r in range(world)],
-                  total if first else None)
+        packed = not (seg.in_place and all(n == block for n in seg.splits) and not first)
+        send = (self._scratch(lane, "send", block * world, buf) if packed
+                else buf[seg.start:seg.start + block * world])
         # (an output inside the input is NCCL's in-place form; gloo is not promised it, but
         # torch 2.14's gloo gives the right sums for it, so the transport forced on gloo
         # runs NCCL's form exactly: tests/test_nccl_paths.py)
@@ -273,12 +266,28 @@ class Transfers:
                          or _is_nccl(group) or TRANSPORT == "reduce_scatter"))
         out = (buf[seg.runs[me][0][0]:seg.runs[me][0][0] + block] if straight
                else self._scratch(lane, "recv", block, buf))
+        v = seg.views.get(lane)
+        key = (buf.data_ptr(), send.data_ptr() if packed else None, out.data_ptr())
+        if v is None or v.key != key:
+            v = seg.views[lane] = _ReduceScatterViews(key, buf, seg, me, send if packed
+                                                      else None, out)
+        if packed:
+            torch._foreach_copy_(v.blocks, v.runs)
+            if first:
+                send.div_(total)
         work = reduce_scatter_single(out, send, group=group, async_op=True)
 
         def owned_sum():
             return out[:mine]
 
-        return work, owned_sum, 1 if first else total
+        def write_back(summed) -> torch.Tensor:
+            if not first:
+                summed.div_(total)
+            if not straight:
+                torch._foreach_copy_(v.own, summed.split(v.own_lengths))
+            return buf
+
+        return work, owned_sum, write_back
 
     def _scratch(self, lane: int, name: str, n: int, like: torch.Tensor,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -351,14 +360,53 @@ def _settle(result: torch.futures.Future, compute) -> None:
         result.set_exception(exc)
 
 
-def pack(send: torch.Tensor, buf: torch.Tensor, runs: list, starts: list,
-          divisor: int | None = None) -> None:
-    """Rank r's runs of `buf`, in order, into `send` from starts[r] (divided by `divisor`
-    on the way when one is given)."""
-    for rr, pos in zip(runs, starts):
-        for o, n in rr:
-            if divisor is None:
-                send[pos:pos + n].copy_(buf[o:o + n])
-            else:
-                torch.div(buf[o:o + n], divisor, out=send[pos:pos + n])
-            pos += n
+def _ptr(t: "torch.Tensor | None"):
+    return None if t is None else t.data_ptr()
+
+
+def _runs_of(buf: torch.Tensor, runs) -> list:
+    return [buf[o:o + n] for o, n in runs]
+
+
+class _AllToAllViews:
+    """One segment's views for the all_to_all transport, over one bucket buffer and the
+    scratch it travels in (`key`: their addresses). DDP keeps its bucket buffers from one
+    backward to the next, and the scratch is kept per lane: made once, the views turn each
+    step of the segment into one tensor op over all its runs."""
+
+    __slots__ = ("key", "send_parts", "own", "rows", "recv_rows", "acc_parts")
+
+    def __init__(self, key, buf, seg: Segment, me: int, home: bool, send, recv, acc):
+        self.key = key
+        mine = seg.splits[me]
+        lengths = [n for _, n in seg.runs[me]]
+        # the runs this rank sends, in the order of the send buffer (its own left out when
+        # it stays home)
+        self.send_parts = ([] if send is None else
+                           [buf[o:o + n] for r, rr in enumerate(seg.runs)
+                            if not (home and r == me) for o, n in rr])
+        self.own = _runs_of(buf, seg.runs[me])
+        self.recv_rows = list(recv.view(-1, mine).unbind(0)) if mine else []
+        self.rows = [list(row.split(lengths)) for row in self.recv_rows]
+        self.acc_parts = [] if acc is None else list(acc.split(lengths))
+
+
+class _ReduceScatterViews:
+    """One segment's views for the reduce_scatter transport (see _AllToAllViews): where
+    each run goes in the packed send, and this rank's runs of the bucket."""
+
+    __slots__ = ("key", "runs", "blocks", "own", "own_lengths")
+
+    def __init__(self, key, buf, seg: Segment, me: int, send, out):
+        self.key = key
+        block = max(seg.splits)
+        self.runs, self.blocks = [], []
+        if send is not None:
+            for r, rr in enumerate(seg.runs):
+                pos = r * block
+                for o, n in rr:
+                    self.runs.append(buf[o:o + n])
+                    self.blocks.append(send[pos:pos + n])
+                    pos += n
+        self.own = _runs_of(buf, seg.runs[me])
+        self.own_lengths = [n for _, n in seg.runs[me]]

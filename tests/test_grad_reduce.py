@@ -730,3 +730,32 @@ def _pickled(rank, world):
 
 def test_ddp_with_the_hook_pickles_and_deepcopies():
     assert all(run_world(_pickled, 2))
+
+
+def _no_optimizer(rank, world):
+    """The hook (state None) on a model no zero_ext optimizer holds: DDP's all-reduce, the
+    same grads as DDP's own, and one log line saying so."""
+    import logging
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("zero_ext").addHandler(handler)
+    hooked, plain = DDP(_Net(), bucket_cap_mb=0.002), DDP(_Net(), bucket_cap_mb=0.002)
+    hooked.register_comm_hook(None, reduce_scatter_hook)
+    for it in range(3):
+        for d in (hooked, plain):
+            d.zero_grad()
+            d(_batch(rank, it)).square().mean().backward()
+        for a, b in zip(plain.parameters(), hooked.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, **TOL)
+    return [m for m in said if "no zero_ext ZeroRedundancyOptimizer" in m]
+
+
+def test_hook_over_a_model_no_optimizer_holds_says_so_once():
+    for said in run_world(_no_optimizer, 2):
+        assert len(said) == 1, said

@@ -9,12 +9,15 @@ step, an iteration moves DDP's bytes.
 
 - Ownership is the optimizer's own plan (whole params or flat ranges, any sharding mode),
   so nothing about the step, the state or checkpoints changes; a DDP bucket is cut by it
-  (plan.py), in segments of at most 4 MB.
+  (plan.py) and travels in one collective (in segments only above 32 MB: DDP's default
+  buckets are 25 MB), each step of it one tensor op over all its runs: the host's cost is
+  per bucket, as DDP's own.
 - Transport (transport.py), per segment: on NCCL one reduce-scatter of W equal blocks where
   the owners' shares are near equal, elsewhere one `all_to_all_single` with split sizes and
   a local sum; in hybrid layouts each owned sum is then all-reduced over the replica group.
 - A bucket that holds params of no zero_ext optimizer, or of several, is all-reduced as DDP
-  does, over DDP's own group (hook.py, which finds the bucket's optimizer and DDP model).
+  does, over DDP's own group (hook.py, which finds the bucket's optimizer and DDP model);
+  the first such bucket is logged once ("zero_ext" logger).
 - The optimizer is reached only through its `hook_seam` (zero_ext/seam.py); this package
   keeps its own state per optimizer and registers its check before a step with the seam
   (checks.py).

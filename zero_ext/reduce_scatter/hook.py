@@ -4,6 +4,7 @@ does). The cut is in plan.py, the collectives in transport.py, the record of wha
 reduced in record.py, the checks before a step in checks.py.
 """
 # (no `from __future__ import annotations`: DDP checks the hook's annotations as objects)
+import logging
 import weakref
 from typing import Any
 
@@ -14,6 +15,8 @@ from ..seam import HookSeam, newest_holding
 from . import plan
 from .record import Record, arm_before_backward
 from .transport import Transfers
+
+logger = logging.getLogger("zero_ext")
 
 
 class GradReducer:
@@ -184,6 +187,7 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
     opt = _owner_of(params[0], state)
     ddp, group = _ddp_of(params[0])
     if opt is None:  # no zero_ext optimizer holds these params: DDP's own all-reduce
+        _say_all_reduced_once(bucket)
         if bucket.is_last():
             # DDP's last bucket ends this backward: the record of the grads reduced for
             # any optimizer is queued here too, or their step would read them unchecked
@@ -221,6 +225,22 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
         return reducer.reduce(bucket, bp)
     finally:
         reducer.record.after_bucket(bucket)
+
+
+_SAID_ALL_REDUCED = False
+
+
+def _say_all_reduced_once(bucket) -> None:
+    """A bucket whose params no zero_ext optimizer holds is all-reduced, as DDP does: right
+    for params a plain optimizer steps, but a model meant to go through the hook (an
+    optimizer built over other params, or not yet) would lose its savings with no word."""
+    global _SAID_ALL_REDUCED
+    if not _SAID_ALL_REDUCED:
+        _SAID_ALL_REDUCED = True
+        logger.warning(
+            "zero_ext: reduce_scatter_hook all-reduces DDP bucket %d as DDP does: no "
+            "zero_ext ZeroRedundancyOptimizer holds its params (said once per process)",
+            bucket.index())
 
 
 def _all_reduce(bucket, group) -> torch.futures.Future:

@@ -50,8 +50,8 @@ params, so they are computed: DDP's rebuilt buckets (params in reverse module or
 their grads become ready, cut by torch's own ``dist._compute_bucket_assignment_by_size``
 at DDP's 1 MiB first / 25 MiB caps); each is then cut by the hook's own code
 (``GradReducer.bucket_plan``, from the optimizer's plan) into the split sizes of its
-``all_to_all_single`` per segment (the hook cuts a bucket into segments of at most
-``reduce_scatter.plan.SEGMENT_BYTES`` per rank's input and receive buffer): a rank sends each
+``all_to_all_single`` per segment (the hook cuts a bucket into segments where a rank would
+receive more than ``reduce_scatter.plan.SEGMENT_BYTES``): a rank sends each
 bucket's elements owned by the others. Where that cutting would walk more than
 --hook-plan-limit (all_to_all, rank) pairs (marked ``+``; O(segments x world) Python work,
 minutes for Llama-2 70B at world 1024), the splits come per bucket from the hook's ownership
@@ -418,14 +418,11 @@ def ddp_buckets(params) -> list[PlannedBucket]:
 
 
 def _segments_of(total: int, splits: list, elem_size: int) -> int:
-    """How many all_to_alls the hook cuts a bucket into (reduce_scatter.plan.SEGMENT_BYTES: each
-    rank's input and receive buffer at most that): the estimate that decides whether its
-    bucket_plan is called, and the count where it is not."""
-    seg = getattr(rs_plan, "SEGMENT_BYTES", None)
-    if seg is None:
-        return 1
-    cap = max(1, seg // elem_size)
-    return max(1, -(-max(total, len(splits) * max(splits)) // cap))
+    """How many all_to_alls the hook cuts a bucket into (reduce_scatter.plan.segment_count:
+    by what its busiest rank receives): the estimate that decides whether its bucket_plan
+    is called, and the count where it is not."""
+    count = getattr(rs_plan, "segment_count", None)
+    return 1 if count is None else count(splits, elem_size)
 
 
 def reduce_scatter_bytes(opt, params, limit: int = HOOK_PLAN_LIMIT) -> dict:

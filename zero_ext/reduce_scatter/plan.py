@@ -1,6 +1,7 @@
 """How a DDP bucket is cut by the optimizer's plan for reduce_scatter_hook: per destination
-rank, the runs of the bucket it owns, in segments of bounded size (the hook's scratch is
-bounded by one segment per lane, whatever DDP's bucket_cap_mb is).
+rank, the runs of the bucket it owns; one collective per bucket, or segments where what a
+rank would receive exceeds SEGMENT_BYTES (the hook's scratch is bounded by one segment per
+lane, whatever DDP's bucket_cap_mb is).
 """
 from __future__ import annotations
 
@@ -8,21 +9,40 @@ import os
 from dataclasses import dataclass, field
 
 
-# Bytes of a DDP bucket one collective of the hook moves at most: a larger bucket travels
-# as several segments, each taking its share of every rank's runs, so that the scratch (a
-# packed send buffer, a receive buffer of the other ranks' copies of this rank's share)
-# stays bounded by the segments in flight (one per lane), whatever bucket_cap_mb is. Above
-# DDP's default bucket (25 MB), so that a bucket is one collective: each costs the host
-# 0.1-0.5 ms (Python, the backend's call), which a GPU's iteration pays in full. At 8 MB,
-# GPT-2 small's 19 buckets were 68 collectives per backward, 1.53x DDP's iteration on an
-# H200 at world 1. ZERO_EXT_HOOK_SEGMENT_BYTES sets it (benchmarks, tests; every rank
-# alike). docs/performance.md gives the memory this costs.
-SEGMENT_BYTES = int(os.environ.get("ZERO_EXT_HOOK_SEGMENT_BYTES", 32 << 20))
+# Bytes one rank receives at most in one collective of the hook (its receive scratch): a
+# bucket that would give a rank more travels as several segments, each taking its share of
+# every rank's runs, so that the scratch stays bounded by the segments in flight (one per
+# lane). What a rank receives is (W-1) copies of its share on the all_to_all (all of a
+# bucket at world 2 when one rank owns it, as in param and flat modes), one block on the
+# reduce_scatter, none where that one runs in place in the bucket (even mode on NCCL,
+# one-param buckets). Each collective costs the host 0.1-0.5 ms (Python, the backend's
+# call), which a GPU's iteration pays in full, so a bucket of DDP's default size (25 MB) is
+# one collective where its shares are even: at 8 MB of bucket per segment, GPT-2 small's 13
+# buckets were 67 collectives per backward (1.53x DDP's iteration on an H200 at world 1).
+# 16 MB keeps the peak memory of the 33.6M MLP within 70 MB of plain zero_ext in every
+# mode (docs/performance.md). ZERO_EXT_HOOK_SEGMENT_BYTES sets it (benchmarks, tests;
+# every rank alike).
+SEGMENT_BYTES = int(os.environ.get("ZERO_EXT_HOOK_SEGMENT_BYTES", 16 << 20))
+
+
+def segment_count(splits: list, element_size: int, scatter: bool = False,
+                  in_place: bool = False) -> int:
+    """How many collectives a bucket with these owners' `splits` (elements per rank)
+    travels in: by what its busiest rank receives (see SEGMENT_BYTES). `scatter`: by
+    reduce_scatter_tensor; `in_place`: each rank owns one run and the runs, in rank order,
+    are the bucket (its output is then the bucket itself)."""
+    world, top = len(splits), max(splits, default=0)
+    if scatter:
+        received = 0 if in_place and all(n == top for n in splits) else top
+    else:
+        received = (world - 1) * top
+    cap = max(1, SEGMENT_BYTES // element_size)
+    return max(1, -(-received // cap))
 
 
 @dataclass
 class Segment:
-    """One all_to_all of a DDP bucket: per destination rank, the (offset, length) runs of
+    """One collective of a DDP bucket: per destination rank, the (offset, length) runs of
     the bucket buffer it owns, in rank order."""
 
     runs: list             # runs[r]: [(offset, length)] owned by rank r
@@ -47,12 +67,14 @@ class BucketPlan:
     used: bool = False     # reduced since the last step (else its views are let go)
 
 
-def cut(bucket, ownership, index: dict, world: int, cache: dict,
-        params=None) -> "BucketPlan | None":
+def cut(bucket, ownership, index: dict, world: int, cache: dict, params=None,
+        scatter_of=None) -> "BucketPlan | None":
     """The plan of DDP's `bucket` under `ownership` (the seam's Ownership; `index`: id(param)
     -> the optimizer's index of it), or None when the bucket holds params the optimizer does
     not own entirely (then it is all-reduced). Plans are kept in `cache` until the bucket's
-    params or the ownership change. `params`: the bucket's, when the caller has them."""
+    params or the ownership change. `params`: the bucket's, when the caller has them;
+    `scatter_of(splits)`: whether a bucket so shared travels by reduce_scatter_tensor (its
+    segments are counted by what that receives)."""
     params = bucket.parameters() if params is None else params
     ident = tuple(map(id, params))
     owned = ownership.runs
@@ -79,12 +101,12 @@ def cut(bucket, ownership, index: dict, world: int, cache: dict,
             f"{bucket.buffer().numel()} elements, its params {offset}: an unknown DDP "
             "bucket layout; use DDP's default all-reduce")
     splits = [sum(n for _, n in rr) for rr in runs]
-    cap = max(1, SEGMENT_BYTES // bucket.buffer().element_size())
-    # by the bucket's size: an evenly split bucket then receives about `cap` elements
-    # per segment too; a plan that gives a bucket to one owner receives world x its
-    # share, segments or not (counting by that would issue world-fold collectives)
-    count = max(1, -(-offset // cap))
+    whole = _segment(runs)
+    count = segment_count(splits, bucket.buffer().element_size(),
+                          scatter=scatter_of is not None and scatter_of(splits),
+                          in_place=whole.in_place and all(len(rr) == 1 for rr in runs))
     bp = BucketPlan(ident, ownership.token, tuple(ids), splits,
+                    [whole] if count == 1 else
                     [_segment([_part(rr, k, count) for rr in runs]) for k in range(count)])
     cache[key] = bp
     return bp

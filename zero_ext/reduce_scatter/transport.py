@@ -70,6 +70,7 @@ class Transfers:
         self.seq = 0            # the hook's segments since the last step (issue order)
         self.ordered = _InOrder()
         self.in_flight: dict = {}  # lane -> the future of its last segment
+        self._backend = None  # (the first lane, its backend's name)
         # Scratch per lane, (lane, name, dtype, device) -> buffer, grown to the largest
         # bucket: bounded by the buckets in flight (one per lane), not one set per bucket,
         # and kept from one backward to the next (a fresh multi-MB buffer per bucket per
@@ -80,6 +81,15 @@ class Transfers:
         # work may still hold views of them on the backend's thread, which must not be the
         # one to free them (freeing a mapped buffer takes the GIL)
         self.outgrown: list = []
+
+    def scatter_of(self, buf: torch.Tensor):
+        """The transport's choice for a bucket like `buf` by its owners' splits (plan.cut
+        counts segments by what that collective receives)."""
+        group = self.seam.lanes[0]
+        if self._backend is None or self._backend[0] is not group:
+            self._backend = (group, str(dist.get_backend(group)).lower())
+        backend = self._backend[1]
+        return lambda splits: reduces_by_scatter(buf, backend, splits)
 
     def restart(self) -> None:
         """At a step: no transfer is in flight (DDP waited for every one before its
@@ -284,7 +294,7 @@ class Transfers:
             if not first:
                 summed.div_(total)
             if not straight:
-                torch._foreach_copy_(v.own, summed.split(v.own_lengths))
+                torch._foreach_copy_(v.own, v.out_parts)
             return buf
 
         return work, owned_sum, write_back
@@ -395,7 +405,7 @@ class _ReduceScatterViews:
     """One segment's views for the reduce_scatter transport (see _AllToAllViews): where
     each run goes in the packed send, and this rank's runs of the bucket."""
 
-    __slots__ = ("key", "runs", "blocks", "own", "own_lengths")
+    __slots__ = ("key", "runs", "blocks", "own", "out_parts")
 
     def __init__(self, key, buf, seg: Segment, me: int, send, out):
         self.key = key
@@ -409,4 +419,5 @@ class _ReduceScatterViews:
                     self.blocks.append(send[pos:pos + n])
                     pos += n
         self.own = _runs_of(buf, seg.runs[me])
-        self.own_lengths = [n for _, n in seg.runs[me]]
+        # (the owned sum, out[:mine], as this rank's runs)
+        self.out_parts = list(out[:seg.splits[me]].split([n for _, n in seg.runs[me]]))

@@ -120,7 +120,8 @@ def _groups(model):
 HP = dict(lr=1e-3, betas=(0.9, 0.95))
 
 
-def _build(mode: str, experts: int, cap_mb: float, real: bool = False, device="cpu"):
+def _build(mode: str, experts: int, cap_mb: float, real: bool = False,
+           device: torch.device = torch.device("cpu")):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)

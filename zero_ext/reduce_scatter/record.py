@@ -150,14 +150,19 @@ class Record:
 
     def changes(self, ids=None) -> dict:
         """param_id -> "replaced", or (its version bumps since the hook, its grad's counter
-        key), for every recorded grad still held (of `ids`, when given)."""
+        key, or None when it has none), for every recorded grad still held (of `ids`, when
+        given)."""
         out = {}
         params = self.seam.params
         for i, s in (self.seen or {}).items():
             g = params[i].grad
             if g is None or (ids is not None and i not in ids):
                 continue  # dropped (not stepped)
-            out[i] = "replaced" if g is not s[0]() else (g._version - s[1], _counter_key(g))
+            if g is not s[0]():
+                out[i] = "replaced"
+            else:
+                bumps = g._version - s[1]
+                out[i] = (bumps, _counter_key(g) if bumps else None)
         return out
 
     def changed_grads(self, scaler: bool) -> list[int]:

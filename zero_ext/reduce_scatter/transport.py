@@ -16,6 +16,7 @@ in which order, into which scratch.
   the bucket with the share in its middle): the sum reads it in the bucket.
 """
 # (no `from __future__ import annotations`: kept alike with the hook's module)
+import collections
 import mmap
 import os
 import threading
@@ -71,6 +72,8 @@ class Transfers:
         self.ordered = _InOrder()
         self.in_flight: dict = {}  # lane -> the future of its last segment
         self._backend = None  # (the first lane, its backend's name)
+        # lane -> how many times its scratch was replaced (the segments' views name it)
+        self.grown: "collections.defaultdict[int, int]" = collections.defaultdict(int)
         # Scratch per lane, (lane, name, dtype, device) -> buffer, grown to the largest
         # bucket: bounded by the buckets in flight (one per lane), not one set per bucket,
         # and kept from one backward to the next (a fresh multi-MB buffer per bucket per
@@ -188,37 +191,16 @@ class Transfers:
 
         Each step is one tensor op over all the runs (torch.cat, the _foreach ops), on
         views made once per bucket buffer and scratch (_AllToAllViews)."""
-        world, mine = len(seg.splits), seg.splits[me]
-        low = buf.dtype in (torch.bfloat16, torch.float16)  # summed in float32
-        # full-precision sums without replicas go straight into this rank's runs of the
-        # bucket; bf16/fp16 ones are summed in float32, hybrid ones all-reduced first
-        direct = direct and not low
-        size = sum(seg.splits)
-        # (in place with the share in the middle: it travels to itself, as it must then)
-        home = world > 1 and (not seg.in_place or me in (0, world - 1))
-        in_splits = list(seg.splits)
-        out_splits = [mine] * world
-        if home:
-            in_splits[me] = out_splits[me] = 0
-        send = (None if seg.in_place
-                else self._scratch(lane, "send", sum(in_splits), buf))
-        recv = self._scratch(lane, "recv", sum(out_splits), buf)
-        acc = None if direct else self._scratch(lane, "sum", mine, buf,
-                                                torch.float32 if low else buf.dtype)
         v = seg.views.get(lane)
-        key = (buf.data_ptr(), _ptr(send), recv.data_ptr(), _ptr(acc))
-        if v is None or v.key != key:
-            v = seg.views[lane] = _AllToAllViews(key, buf, seg, me, home, send, recv, acc)
-        if seg.in_place:
-            send = buf[seg.start:seg.start + size]
-            if home:
-                send = send[mine:] if me == 0 else send[:size - mine]
-        elif v.send_parts:
-            torch.cat(v.send_parts, out=send)
-        work = dist.all_to_all_single(wire_view(recv, backend), wire_view(send, backend),
-                                      output_split_sizes=out_splits,
-                                      input_split_sizes=in_splits, group=group,
+        if v is None or v.key != (buf.data_ptr(), self.grown[lane]):
+            v = seg.views[lane] = self._all_to_all_views(lane, buf, seg, me, backend, direct)
+        if v.send_parts:
+            torch.cat(v.send_parts, out=v.send)
+        work = dist.all_to_all_single(v.wire_recv, v.wire_send,
+                                      output_split_sizes=v.out_splits,
+                                      input_split_sizes=v.in_splits, group=group,
                                       async_op=True)
+        direct, home, acc = v.direct, v.home, v.acc
 
         # The own share that stayed home is the first part: the sum is written over it,
         # so it must be read first. (Float addition commutes: at world 2 the sum is bitwise
@@ -252,6 +234,35 @@ class Transfers:
 
         return work, owned_sum, write_back
 
+    def _all_to_all_views(self, lane: int, buf: torch.Tensor, seg: Segment, me: int,
+                          backend: str, direct: bool) -> "_AllToAllViews":
+        """What one segment's all_to_all needs of the bucket and of the lane's scratch,
+        made when either is new (kept while DDP keeps its bucket buffer and the lane its
+        scratch)."""
+        world, mine = len(seg.splits), seg.splits[me]
+        low = buf.dtype in (torch.bfloat16, torch.float16)  # summed in float32
+        # full-precision sums without replicas go straight into this rank's runs of the
+        # bucket; bf16/fp16 ones are summed in float32, hybrid ones all-reduced first
+        direct = direct and not low
+        size = sum(seg.splits)
+        # (in place with the share in the middle: it travels to itself, as it must then)
+        home = world > 1 and (not seg.in_place or me in (0, world - 1))
+        in_splits = list(seg.splits)
+        out_splits = [mine] * world
+        if home:
+            in_splits[me] = out_splits[me] = 0
+        if seg.in_place:
+            send = buf[seg.start:seg.start + size]
+            if home:
+                send = send[mine:] if me == 0 else send[:size - mine]
+        else:
+            send = self._scratch(lane, "send", sum(in_splits), buf)
+        recv = self._scratch(lane, "recv", sum(out_splits), buf)
+        acc = None if direct else self._scratch(lane, "sum", mine, buf,
+                                                torch.float32 if low else buf.dtype)
+        return _AllToAllViews((buf.data_ptr(), self.grown[lane]), buf, seg, me, home,
+                              direct, in_splits, out_splits, send, recv, acc, backend)
+
     def _issue_reduce_scatter(self, group, lane: int, buf: torch.Tensor, seg: Segment,
                               me: int, total: int):
         """One `reduce_scatter_tensor` (NCCL's: every link does equal work, the sum on the
@@ -262,26 +273,13 @@ class Transfers:
         the sum (as DDP divides before its all-reduce): W copies summed on the wire would
         overflow from 65504 / W. Returns the work, the function that gives this rank's
         sum, and the one that writes it, divided, into the bucket."""
-        world, mine = len(seg.splits), seg.splits[me]
-        block = max(seg.splits)
+        mine = seg.splits[me]
         first = buf.dtype == torch.float16
-        packed = not (seg.in_place and all(n == block for n in seg.splits) and not first)
-        send = (self._scratch(lane, "send", block * world, buf) if packed
-                else buf[seg.start:seg.start + block * world])
-        # (an output inside the input is NCCL's in-place form; gloo is not promised it, but
-        # torch 2.14's gloo gives the right sums for it, so the transport forced on gloo
-        # runs NCCL's form exactly: tests/test_nccl_paths.py)
-        straight = (len(seg.runs[me]) == 1 and mine == block
-                    and (send.data_ptr() != buf.data_ptr() + seg.start * buf.element_size()
-                         or _is_nccl(group) or TRANSPORT == "reduce_scatter"))
-        out = (buf[seg.runs[me][0][0]:seg.runs[me][0][0] + block] if straight
-               else self._scratch(lane, "recv", block, buf))
         v = seg.views.get(lane)
-        key = (buf.data_ptr(), send.data_ptr() if packed else None, out.data_ptr())
-        if v is None or v.key != key:
-            v = seg.views[lane] = _ReduceScatterViews(key, buf, seg, me, send if packed
-                                                      else None, out)
-        if packed:
+        if v is None or v.key != (buf.data_ptr(), self.grown[lane]):
+            v = seg.views[lane] = self._reduce_scatter_views(lane, buf, seg, me, group)
+        send, out, straight = v.send, v.out, v.straight
+        if v.blocks:
             torch._foreach_copy_(v.blocks, v.runs)
             if first:
                 send.div_(total)
@@ -299,6 +297,27 @@ class Transfers:
 
         return work, owned_sum, write_back
 
+    def _reduce_scatter_views(self, lane: int, buf: torch.Tensor, seg: Segment, me: int,
+                              group) -> "_ReduceScatterViews":
+        """What one segment's reduce_scatter needs of the bucket and of the lane's scratch
+        (see _all_to_all_views)."""
+        world, mine = len(seg.splits), seg.splits[me]
+        block = max(seg.splits)
+        first = buf.dtype == torch.float16
+        packed = not (seg.in_place and all(n == block for n in seg.splits) and not first)
+        send = (self._scratch(lane, "send", block * world, buf) if packed
+                else buf[seg.start:seg.start + block * world])
+        # (an output inside the input is NCCL's in-place form; gloo is not promised it, but
+        # torch 2.14's gloo gives the right sums for it, so the transport forced on gloo
+        # runs NCCL's form exactly: tests/test_nccl_paths.py)
+        straight = (len(seg.runs[me]) == 1 and mine == block
+                    and (send.data_ptr() != buf.data_ptr() + seg.start * buf.element_size()
+                         or _is_nccl(group) or TRANSPORT == "reduce_scatter"))
+        out = (buf[seg.runs[me][0][0]:seg.runs[me][0][0] + block] if straight
+               else self._scratch(lane, "recv", block, buf))
+        return _ReduceScatterViews((buf.data_ptr(), self.grown[lane]), buf, seg, me,
+                                   send, packed, out, straight)
+
     def _scratch(self, lane: int, name: str, n: int, like: torch.Tensor,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = like.dtype if dtype is None else dtype
@@ -309,6 +328,7 @@ class Transfers:
                 self.outgrown.append(buf)
             buf = self.scratch[key] = (_mapped_empty(n, dtype) if like.device.type == "cpu"
                                        else torch.empty(n, dtype=dtype, device=like.device))
+            self.grown[lane] += 1  # (the segments' views of the old one are stale)
         return buf[:n]
 
 
@@ -370,29 +390,32 @@ def _settle(result: torch.futures.Future, compute) -> None:
         result.set_exception(exc)
 
 
-def _ptr(t: "torch.Tensor | None"):
-    return None if t is None else t.data_ptr()
-
-
 def _runs_of(buf: torch.Tensor, runs) -> list:
     return [buf[o:o + n] for o, n in runs]
 
 
 class _AllToAllViews:
-    """One segment's views for the all_to_all transport, over one bucket buffer and the
-    scratch it travels in (`key`: their addresses). DDP keeps its bucket buffers from one
-    backward to the next, and the scratch is kept per lane: made once, the views turn each
-    step of the segment into one tensor op over all its runs."""
+    """One segment's all_to_all over one bucket buffer and the scratch of its lane (`key`:
+    the buffer's address, the lane's scratch generation): the split sizes, the send and
+    receive tensors as they go on the wire, and the views that make each step of the
+    segment one tensor op over all its runs. DDP keeps its bucket buffers from one backward
+    to the next and the lanes keep their scratch, so these are made once."""
 
-    __slots__ = ("key", "send_parts", "own", "rows", "recv_rows", "acc_parts")
+    __slots__ = ("key", "home", "direct", "in_splits", "out_splits", "send", "acc",
+                 "wire_send", "wire_recv", "send_parts", "own", "rows", "recv_rows",
+                 "acc_parts")
 
-    def __init__(self, key, buf, seg: Segment, me: int, home: bool, send, recv, acc):
-        self.key = key
+    def __init__(self, key, buf, seg: Segment, me: int, home: bool, direct: bool,
+                 in_splits, out_splits, send, recv, acc, backend: str):
+        self.key, self.home, self.direct = key, home, direct
+        self.in_splits, self.out_splits = in_splits, out_splits
+        self.send, self.acc = send, acc
+        self.wire_send, self.wire_recv = wire_view(send, backend), wire_view(recv, backend)
         mine = seg.splits[me]
         lengths = [n for _, n in seg.runs[me]]
-        # the runs this rank sends, in the order of the send buffer (its own left out when
-        # it stays home)
-        self.send_parts = ([] if send is None else
+        # the runs this rank packs into the send scratch, in its order (its own left out
+        # when it stays home); none when the send is a slice of the bucket
+        self.send_parts = ([] if seg.in_place else
                            [buf[o:o + n] for r, rr in enumerate(seg.runs)
                             if not (home and r == me) for o, n in rr])
         self.own = _runs_of(buf, seg.runs[me])
@@ -402,16 +425,18 @@ class _AllToAllViews:
 
 
 class _ReduceScatterViews:
-    """One segment's views for the reduce_scatter transport (see _AllToAllViews): where
-    each run goes in the packed send, and this rank's runs of the bucket."""
+    """One segment's reduce_scatter (see _AllToAllViews): its send (packed scratch or a
+    slice of the bucket) and output (scratch, or this rank's run of the bucket itself:
+    `straight`), where each run goes in the packed send, and this rank's runs."""
 
-    __slots__ = ("key", "runs", "blocks", "own", "out_parts")
+    __slots__ = ("key", "send", "out", "straight", "runs", "blocks", "own", "out_parts")
 
-    def __init__(self, key, buf, seg: Segment, me: int, send, out):
-        self.key = key
+    def __init__(self, key, buf, seg: Segment, me: int, send, packed: bool, out,
+                 straight: bool):
+        self.key, self.send, self.out, self.straight = key, send, out, straight
         block = max(seg.splits)
         self.runs, self.blocks = [], []
-        if send is not None:
+        if packed:
             for r, rr in enumerate(seg.runs):
                 pos = r * block
                 for o, n in rr:

@@ -1,6 +1,7 @@
 """zero_ext.native_status(), the require-native mode and the JIT cache key (zero_ext/kernels/_loader.py)."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -218,3 +219,38 @@ def test_cache_key_ignores_the_checkout_path_but_not_flags_or_cpu(monkeypatch):
     monkeypatch.setattr(_loader, "_host_isa", lambda: "a cpu without avx512")
     assert k(_kwargs("/x", native), False) != before
     assert k(_kwargs("/x"), False) == k(_kwargs("/y"), False)  # ISA only with -march=native
+
+
+def test_cache_key_ignores_where_the_version_script_lies(tmp_path, monkeypatch):
+    """The linker flags name csrc/exports.map by its path: two checkouts with the same
+    sources still share one build."""
+    from zero_ext import _build_config
+
+    keys = []
+    for where in ("one", "two"):
+        csrc = tmp_path / where / "csrc"
+        shutil.copytree(_build_config.CSRC, csrc)
+        monkeypatch.setattr(_build_config, "CSRC", str(csrc))
+        kwargs = _kwargs(str(tmp_path / where))
+        kwargs["extra_ldflags"] = [f"-Wl,--version-script={csrc}/exports.map"]
+        keys.append(_loader.cache_key(kwargs, False))
+    assert keys[0] == keys[1]
+
+
+def test_the_loaded_library_exports_nothing_of_its_own():
+    """The library this session loaded (the CPU build, JIT or setup.py's) exports nothing but
+    setup.py's PyInit__C: no std:: or other weak template copies, no static libstdc++ (see
+    tests/_symbols.py; the CUDA build is checked by test_cuda_build.py)."""
+    import _symbols
+
+    if not _loader._state["native"]:
+        pytest.skip("no native library loaded in this session")
+    library = str(_loader._state["library"])
+    if not library.endswith(".so"):
+        import zero_ext._C
+
+        library = zero_ext._C.__file__
+    missing = _symbols.tools_missing()
+    if missing:
+        pytest.skip(missing)
+    assert _symbols.problems(library) == []

@@ -107,7 +107,7 @@ test_file() {
 
 # The kernel test files run in full: their CPU tests (bad-input messages included) run with
 # the CUDA library loaded, where the crash of issue 38 was seen.
-KERNEL_FILES="tests/test_flatten.py tests/test_fused_adamw.py tests/test_fused_adamw_masters.py tests/test_native_status.py tests/test_cuda_build.py"
+KERNEL_FILES="tests/test_flatten.py tests/test_fused_adamw.py tests/test_fused_adamw_masters.py tests/test_fused_adamw_plan.py tests/test_native_status.py tests/test_cuda_build.py"
 section_tests() {
   : > "$OUT/tests_summary.txt"
   local f candidates cuda_files
@@ -149,8 +149,8 @@ section_bench_flatten() {
 
 section_sanitizer() {
   which compute-sanitizer >/dev/null 2>&1 || { elapsed "no compute-sanitizer: skipped"; return; }
-  run 75 "compute-sanitizer memcheck: CUDA fused AdamW tests" \
-    bash -c "compute-sanitizer --tool memcheck --print-limit 20 $PY -m pytest tests/test_fused_adamw.py -q -p no:cacheprovider -k 'cuda and (misaligned or many_segments or matches_reference or plan)' 2>&1 | tail -40 | tee $OUT/sanitizer.log"
+  run 75 "compute-sanitizer memcheck: CUDA fused AdamW (op and plan) and flatten tests" \
+    bash -c "compute-sanitizer --tool memcheck --print-limit 20 $PY -m pytest tests/test_fused_adamw.py tests/test_fused_adamw_plan.py tests/test_flatten.py -q -p no:cacheprovider -k 'cuda and (misaligned or many_segments or matches_reference or plan or large_tensors)' 2>&1 | tail -40 | tee $OUT/sanitizer.log"
 }
 
 # main: the sections in order (typical seconds on the H200: env 5, build 35-45, tests 150-200,

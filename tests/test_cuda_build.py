@@ -136,6 +136,16 @@ BAD_INPUT_CHILD = textwrap.dedent("""
                     out.append([op, key, k, None, "no error"])
                 except Exception as exc:
                     out.append([op, key, k, type(exc).__name__, str(exc).splitlines()[0]])
+    # the step plan's constructor (a class of the library, not an op) checks like the op
+    try:
+        src = torch.nn.Parameter(z(5))  # a segment's grad: a run of its source's grad
+        src.grad = z(5)
+        torch.classes.zero_ext.AdamWPlan([z(4)], [z(4)], [z(4)], [], [], [src],
+                                         torch.zeros(1, dtype=i64), torch.tensor([3]),
+                                         [], groups, table)
+        out.append(["AdamWPlan", "CPU", 0, None, "no error"])
+    except Exception as exc:
+        out.append(["AdamWPlan", "CPU", 0, type(exc).__name__, str(exc).splitlines()[0]])
     print("RESULTS=" + json.dumps(out))
 """)
 
@@ -165,6 +175,8 @@ EXPECTED = {
     ("fused_adamw_", 2): "fused_adamw_: grads[0] has dtype Half but params[0] has Float",
     ("fused_adamw_", 3): "fused_adamw_: params, grads, exp_avgs and exp_avg_sqs must have the "
                          "same length, got 1, 2, 1, 1",
+    ("AdamWPlan", 0): "AdamWPlan: segment 0 (4 elements at grad offset 3) does not fit in the "
+                      "grad of source 0 (5 elements)",
 }
 CUDA_DEVICE_CHECK = "fused_adamw_ (CUDA): params[0] is on cpu"
 
@@ -227,7 +239,7 @@ def test_cuda_library_raises_every_ops_argument_errors(capsys):
     seen = {(op, key) for op, key, *_ in results}
     # every op's CPU kernel; the CUDA kernels of the ops that run on a GPU
     assert seen == {(op, "CPU") for op in ("flatten_into", "unflatten_from", "assign_params",
-                                           "flat_offsets", "fused_adamw_")} | {
+                                           "flat_offsets", "fused_adamw_", "AdamWPlan")} | {
         (op, "CUDA") for op in ("flatten_into", "unflatten_from", "fused_adamw_")}, seen
     for op, key, k, exc_type, message in results:
         want = EXPECTED[(op, k)]

@@ -1,7 +1,7 @@
 // zero_ext.AdamWPlan (torch.classes.zero_ext.AdamWPlan): one fused AdamW call whose lists
 // are kept in C++ from step to step, so that a step costs one check per tensor in C++ and one
 // launch, not the op's list conversion and checks at every call (zero_ext/kernels/adamw.py,
-// FusedAdamWPlan, is its Python side; docs/design.md, section 9).
+// FusedAdamWPlan, is its Python side; docs/performance.md, "The kernels on a GPU").
 //
 // Built from the op's lists (params, moments, max, masters, group of each segment) plus where
 // each segment's grad comes from: `sources[seg_source[i]].grad`, from element
@@ -26,6 +26,7 @@
 #include "fused_adamw_common.h"
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -263,8 +264,9 @@ class AdamWPlan : public torch::CustomClassHolder {
 }  // namespace adamw
 }  // namespace zero_ext
 
-// A fragment: the op schemas of the namespace are defined in Python (zero_ext/kernels/_ops.py).
-TORCH_LIBRARY_FRAGMENT(zero_ext, m) {
+namespace {
+
+void define_plan_class(torch::Library& m) {
   m.class_<zero_ext::adamw::AdamWPlan>("AdamWPlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>,
@@ -274,3 +276,20 @@ TORCH_LIBRARY_FRAGMENT(zero_ext, m) {
       .def("run", &zero_ext::adamw::AdamWPlan::run)
       .def("num_segments", &zero_ext::adamw::AdamWPlan::num_segments);
 }
+
+// A fragment of the namespace (its op schemas are defined in Python, zero_ext/kernels/_ops.py),
+// registered once per process: torch refuses a second class of one name with an exception,
+// which a static initializer cannot pass on (the process would abort while loading a second
+// copy of the library, another build of these sources). Such a copy's kernels are
+// registered over the first's; its class is not (the first one serves).
+struct RegisterPlanClass {
+  std::unique_ptr<torch::Library> lib;
+  RegisterPlanClass() {
+    if (torch::getCustomClass("__torch__.torch.classes.zero_ext.AdamWPlan")) return;
+    lib = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "zero_ext", std::nullopt,
+                                           __FILE__, __LINE__);
+    define_plan_class(*lib);
+  }
+} register_plan_class;
+
+}  // namespace

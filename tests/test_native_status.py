@@ -254,3 +254,26 @@ def test_the_loaded_library_exports_nothing_of_its_own():
     if missing:
         pytest.skip(missing)
     assert _symbols.problems(library) == []
+
+
+def test_a_second_copy_of_the_library_loads_in_one_process(tmp_path):
+    """Two copies of the library in one process (another build of the same sources): the
+    second registers its kernels over the first's and leaves the AdamWPlan class to the
+    first, instead of aborting the process (torch refuses a class registered twice, and a
+    library's static initializer cannot pass that error on)."""
+    library = str(_loader._state["library"])
+    if not _loader._state["native"] or not library.endswith(".so"):
+        pytest.skip("no JIT build of the native ops in this session")
+    copy = tmp_path / "zero_ext_copy.so"
+    shutil.copyfile(library, copy)
+    out = _child(f"""
+        import torch
+        from zero_ext.kernels import _ops
+        torch.ops.load_library({library!r})
+        torch.ops.load_library({str(copy)!r})
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        assert has("zero_ext::fused_adamw_", "CPU")
+        print("class:", torch.classes.zero_ext.AdamWPlan)
+    """, tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "class:" in out.stdout

@@ -1,12 +1,14 @@
 // CUDA kernels of flatten_into / unflatten_from: many tensors <-> one flat buffer.
 //
-// Host: validate, then pack (src, dst, bytes, first block) of every contiguous tensor into one
-// int64 table, copied to the device once (pinned, async, on the current stream), and launch
-// ONE kernel for all of them. Block b copies bytes [k * kBlockBytes, (k+1) * kBlockBytes) of
-// the tensor whose block range holds b (binary search in the table). The table lives in
-// global memory, so it never overflows: a launch is split only if the grid would exceed
-// CUDA's 2^31 - 1 blocks. Non-contiguous tensors go through copy_ of a view; a tensor that
-// already is the view of flat at its offset is skipped.
+// Host: validate; a contiguous tensor of at least memcpy_bytes() (8 MiB by default) is one
+// cudaMemcpyAsync (device to device, on the current stream: what copy_ does for it, at the
+// copy's full bandwidth, with no table to send); the smaller ones are packed as (src, dst,
+// bytes, first block) into one int64 table, copied to the device once (pinned, async, on the
+// current stream), and copied by ONE kernel launch for all of them. Block b copies bytes
+// [k * kBlockBytes, (k+1) * kBlockBytes) of the tensor whose block range holds b (binary
+// search in the table). The table lives in global memory, so it never overflows: a launch is
+// split only if the grid would exceed CUDA's 2^31 - 1 blocks. Non-contiguous tensors go
+// through copy_ of a view; a tensor that already is the view of flat at its offset is skipped.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -17,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 namespace zero_ext {
@@ -27,6 +30,20 @@ constexpr int kUnroll = 4;                                  // 16-byte loads in 
 constexpr int64_t kBlockBytes = int64_t{kThreads} * 16 * kUnroll;  // 16 KiB per block
 constexpr int kMetaFields = 4;                              // src, dst, bytes, first block
 constexpr int64_t kMaxGrid = 2147483647;
+
+// Tensors of at least this many bytes are copied by cudaMemcpyAsync: from there on the
+// launch of one more copy costs less than the multi-tensor kernel loses to a plain copy.
+// ZERO_EXT_FLATTEN_MEMCPY_BYTES overrides it (a tuning knob, read at each call: 0 sends every
+// contiguous tensor to cudaMemcpyAsync; a huge value none).
+constexpr int64_t kMemcpyBytes = int64_t{8} << 20;
+
+int64_t memcpy_bytes() {
+  const char* env = std::getenv("ZERO_EXT_FLATTEN_MEMCPY_BYTES");
+  if (env == nullptr || *env == '\0') return kMemcpyBytes;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  return (end != env && v >= 0) ? static_cast<int64_t>(v) : kMemcpyBytes;
+}
 
 // Copy `bytes` bytes with loads of type V (src, dst and the range start are V-aligned).
 template <typename V>
@@ -92,6 +109,8 @@ void copy_many(const char* op, at::TensorList tensors, const at::Tensor& flat,
   std::vector<int64_t> meta;
   meta.reserve(tensors.size() * kMetaFields);
   std::vector<size_t> strided;
+  std::vector<int64_t> large;  // (src, dst, bytes) of the cudaMemcpyAsync copies
+  const int64_t memcpy_from = memcpy_bytes();
   int64_t blocks = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
@@ -105,11 +124,24 @@ void copy_many(const char* op, at::TensorList tensors, const at::Tensor& flat,
     char* data = static_cast<char*>(t.data_ptr());
     if (data == slot) continue;  // already the view of its slot
     const int64_t bytes = n * itemsize;
+    if (bytes >= memcpy_from) {
+      large.insert(large.end(), {reinterpret_cast<int64_t>(to_flat ? data : slot),
+                                 reinterpret_cast<int64_t>(to_flat ? slot : data), bytes});
+      continue;
+    }
     meta.push_back(reinterpret_cast<int64_t>(to_flat ? data : slot));
     meta.push_back(reinterpret_cast<int64_t>(to_flat ? slot : data));
     meta.push_back(bytes);
     meta.push_back(blocks);
     blocks += (bytes + kBlockBytes - 1) / kBlockBytes;
+  }
+
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(flat.device().index());
+  for (size_t k = 0; k < large.size(); k += 3) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(large[k + 1]),
+                                   reinterpret_cast<const void*>(large[k]),
+                                   static_cast<size_t>(large[k + 2]), cudaMemcpyDeviceToDevice,
+                                   stream));
   }
 
   if (blocks > 0) {
@@ -119,7 +151,6 @@ void copy_many(const char* op, at::TensorList tensors, const at::Tensor& flat,
     std::copy(meta.begin(), meta.end(), host.data_ptr<int64_t>());
     // Pinned + non_blocking: the host block is recycled only after this copy completes.
     at::Tensor dev = host.to(flat.device(), /*non_blocking=*/true);
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(flat.device().index());
     for (int64_t first = 0; first < blocks; first += kMaxGrid) {
       const auto grid = static_cast<unsigned int>(std::min(blocks - first, kMaxGrid));
       multi_copy_kernel<<<grid, kThreads, 0, stream>>>(dev.data_ptr<int64_t>(), count, first);

@@ -1,9 +1,15 @@
 // Host-side pieces shared by the CPU (fused_adamw_cpu.cpp) and CUDA (fused_adamw.cu)
-// kernels of zero_ext::fused_adamw_: the group table's layout, the dtype kinds the kernels
-// cover, and the checks of one segment and its master (run for every segment before anything
-// is written).
+// kernels of zero_ext::fused_adamw_ and by the step plan (fused_adamw_plan.cpp): the group
+// table's layout, the dtype kinds the kernels cover, the checks of one segment and its
+// master (run for every segment before anything is written), and the entry points the plan
+// calls on each device.
 #pragma once
 #include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
 
 namespace zero_ext {
 namespace adamw {
@@ -15,6 +21,9 @@ using TensorListRef = c10::List<at::Tensor>;
 
 constexpr int kCols = 7;  // lr, beta1, beta2, eps, weight_decay, amsgrad, maximize
 enum Kind : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// A segment's flags: bits 0-1 param kind, 2-3 state kind, then these.
+enum Flag : int { kAms = 1 << 4, kAligned = 1 << 5, kMaster = 1 << 6 };
+constexpr int kVec = 4;  // elements per vector access of the CUDA kernel (alignment unit)
 
 inline int kind_of(at::ScalarType t) {
   switch (t) {
@@ -109,6 +118,110 @@ inline float* check_master(int64_t i, const at::Tensor& p, const at::Tensor& m,
               "fused_adamw_: segment ", i, " has a master, so its exp_avgs and exp_avg_sqs "
               "must be float32, got ", m.scalar_type(), " and ", v.scalar_type());
   return w.data_ptr<float>();
+}
+
+// The checks of the op's scalar arguments against S segments and the device (the CPU and
+// CUDA kernels and the plan alike; on CUDA the steps may live on the device too).
+inline void check_step_args(int64_t S, const at::Tensor& steps, const at::Tensor& segment_groups,
+                            const at::Tensor& group_hparams, const at::Device& device) {
+  TORCH_CHECK(steps.scalar_type() == at::kFloat && steps.dim() == 1 && steps.numel() == S,
+              "fused_adamw_: steps must be a float32 tensor of shape [", S, "], got ",
+              steps.scalar_type(), " ", steps.sizes());
+  if (device.is_cuda()) {
+    TORCH_CHECK(steps.device().is_cpu() || steps.device() == device,
+                "fused_adamw_ (CUDA): steps must be on the CPU or on ", device, ", got ",
+                steps.device());
+  } else {
+    TORCH_CHECK(steps.device().is_cpu(), "fused_adamw_ (CPU): steps must be on the CPU");
+  }
+  TORCH_CHECK(segment_groups.scalar_type() == at::kLong && segment_groups.dim() == 1 &&
+                  segment_groups.numel() == S && segment_groups.device().is_cpu(),
+              "fused_adamw_: segment_groups must be an int64 CPU tensor of shape [", S,
+              "], got ", segment_groups.scalar_type(), " ", segment_groups.sizes(), " on ",
+              segment_groups.device());
+  TORCH_CHECK(group_hparams.scalar_type() == at::kDouble && group_hparams.dim() == 2 &&
+                  group_hparams.size(1) == kCols && group_hparams.device().is_cpu(),
+              "fused_adamw_: group_hparams must be a float64 CPU tensor of shape [G, 7] "
+              "(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize), got ",
+              group_hparams.scalar_type(), " ", group_hparams.sizes(), " on ",
+              group_hparams.device());
+}
+
+// ---- the device entry points of the plan (fused_adamw_plan.cpp) --------------------------
+
+// The CPU kernel (fused_adamw_cpu.cpp), called by the plan without the dispatcher.
+void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
+                     const TensorListRef& exp_avgs, const TensorListRef& exp_avg_sqs,
+                     const TensorListRef& max_exp_avg_sqs, const at::Tensor& steps,
+                     const at::Tensor& segment_groups, const at::Tensor& group_hparams,
+                     const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf, const TensorListRef& masters);
+
+// One non-empty segment as the CUDA kernel's static table holds it (the grad's pointer is
+// not in it: grads change from step to step and come with each step).
+struct PlanSegment {
+  void* p;
+  void* m;
+  void* v;
+  void* vmax;  // or null without amsgrad
+  float* w;    // the float32 master, or null
+  int64_t numel;
+  int32_t group;
+  int32_t index;  // position in the op's lists: its step and its grad pointer
+  int32_t flags;  // see Flag
+};
+
+inline bool aligned_to(const void* ptr, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % uintptr_t(bytes) == 0;
+}
+
+// The record of segment i (checked by check_segment / check_master; numel > 0). kAligned:
+// every pointer, the grad's included, allows the kernel's 4-wide vector accesses.
+inline PlanSegment make_segment(int64_t i, int64_t group, const at::Tensor& p, const void* grad,
+                                const at::Tensor& m, const at::Tensor& v, void* vmax,
+                                float* master) {
+  PlanSegment s;
+  std::memset(&s, 0, sizeof(s));
+  s.p = p.data_ptr();
+  s.m = m.data_ptr();
+  s.v = v.data_ptr();
+  s.vmax = vmax;
+  s.w = master;
+  s.numel = p.numel();
+  s.group = static_cast<int32_t>(group);
+  s.index = static_cast<int32_t>(i);
+  const int64_t pw = kVec * p.element_size(), sw = kVec * m.element_size();
+  const bool al = aligned_to(s.p, pw) && aligned_to(grad, pw) && aligned_to(s.m, sw) &&
+                  aligned_to(s.v, sw) && (vmax == nullptr || aligned_to(vmax, sw)) &&
+                  (master == nullptr || aligned_to(master, kVec * 4));
+  s.flags = kind_of(p.scalar_type()) | (kind_of(m.scalar_type()) << 2) |
+            (vmax != nullptr ? kAms : 0) | (al ? kAligned : 0) |
+            (master != nullptr ? kMaster : 0);
+  return s;
+}
+
+// What fused_adamw.cu provides to the plan; registered when the CUDA sources are built in
+// (cuda_plan_ops() is null in a CPU-only build).
+struct CudaPlanOps {
+  // The static table of `segs` (their records and the (segment, chunk) list), copied to
+  // `device` on the current stream (`sync`: and waited for, for a table that later steps
+  // may read on another stream); *n_chunks receives the number of chunks.
+  at::Tensor (*upload)(const std::vector<PlanSegment>& segs, const at::Device& device,
+                       bool sync, int64_t* n_chunks);
+  // One step over a table of `upload`: the per-step table (each group's hyperparameters,
+  // the steps when on the CPU, each segment's grad pointer) copied to the device, one launch
+  // per 2^31 - 1 chunks, on the current stream. `seg_groups` holds S group indices.
+  void (*step)(const at::Tensor& table, int64_t n_segs, int64_t n_chunks, int64_t S,
+               const void* const* grad_ptrs, const int64_t* seg_groups, const at::Tensor& steps,
+               const at::Tensor& group_hparams, const std::optional<at::Tensor>& grad_scale,
+               const std::optional<at::Tensor>& found_inf, const at::Device& device);
+};
+
+// One instance per library (hidden visibility: the copies of all translation units are
+// merged when the library is linked, and never shared with another library).
+inline const CudaPlanOps*& cuda_plan_ops() {
+  static const CudaPlanOps* ops = nullptr;
+  return ops;
 }
 
 }  // namespace adamw

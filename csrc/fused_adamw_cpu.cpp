@@ -456,7 +456,9 @@ static void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* 
               " must be on the CPU, got ", t->device());
 }
 
-using adamw::TensorListRef;
+}  // namespace
+
+namespace adamw {
 
 void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
                      const TensorListRef& exp_avgs, const TensorListRef& exp_avg_sqs,
@@ -468,21 +470,7 @@ void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
                      const TensorListRef& masters) {
   const int64_t S = adamw::check_list_lengths(params, grads, exp_avgs, exp_avg_sqs,
                                               max_exp_avg_sqs, masters);
-  TORCH_CHECK(steps.scalar_type() == at::kFloat && steps.dim() == 1 && steps.numel() == S,
-              "fused_adamw_: steps must be a float32 tensor of shape [", S, "], got ",
-              steps.scalar_type(), " ", steps.sizes());
-  TORCH_CHECK(steps.device().is_cpu(), "fused_adamw_ (CPU): steps must be on the CPU");
-  TORCH_CHECK(segment_groups.scalar_type() == at::kLong && segment_groups.dim() == 1 &&
-                  segment_groups.numel() == S && segment_groups.device().is_cpu(),
-              "fused_adamw_: segment_groups must be an int64 CPU tensor of shape [", S,
-              "], got ", segment_groups.scalar_type(), " ", segment_groups.sizes(), " on ",
-              segment_groups.device());
-  TORCH_CHECK(group_hparams.scalar_type() == at::kDouble && group_hparams.dim() == 2 &&
-                  group_hparams.size(1) == kCols && group_hparams.device().is_cpu(),
-              "fused_adamw_: group_hparams must be a float64 CPU tensor of shape [G, 7] "
-              "(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize), got ",
-              group_hparams.scalar_type(), " ", group_hparams.sizes(), " on ",
-              group_hparams.device());
+  adamw::check_step_args(S, steps, segment_groups, group_hparams, at::Device(at::kCPU));
   check_scalar_tensor(grad_scale, "grad_scale");
   check_scalar_tensor(found_inf, "found_inf");
   if (S == 0) return;
@@ -564,9 +552,9 @@ void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
   });
 }
 
-}  // namespace
+}  // namespace adamw
 }  // namespace zero_ext
 
 TORCH_LIBRARY_IMPL(zero_ext, CPU, m) {
-  m.impl("fused_adamw_", &zero_ext::fused_adamw_cpu);
+  m.impl("fused_adamw_", &zero_ext::adamw::fused_adamw_cpu);
 }

@@ -162,6 +162,42 @@ def test_cuda_side_stream():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("memcpy_from", [None, "0", "4096", str(1 << 62)],
+                         ids=["default", "all-memcpy", "4KiB", "no-memcpy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_cuda_large_tensors_one_copy_each(memcpy_from, dtype, monkeypatch):
+    """Tensors from ZERO_EXT_FLATTEN_MEMCPY_BYTES bytes on (8 MiB by default) are one
+    cudaMemcpyAsync each, the others one kernel: mixed in one call, at odd offsets, with
+    non-contiguous ones and a tail that must stay untouched, on a side stream."""
+    if memcpy_from is None:
+        monkeypatch.delenv("ZERO_EXT_FLATTEN_MEMCPY_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("ZERO_EXT_FLATTEN_MEMCPY_BYTES", memcpy_from)
+    gen = torch.Generator().manual_seed(5)
+    big = (9 << 20) // torch.empty((), dtype=dtype).element_size() + 3  # > 8 MiB
+    ts = [_make((s,), dtype, "cuda", gen) for s in (5, big, 1, 4099, 300_001)]
+    ts.append(_make((40, 30), dtype, "cuda", gen).t())
+    offsets, total = [], 1
+    for t in ts:  # odd offsets: every pointer unaligned
+        offsets.append(total)
+        total += t.numel() + 1
+    flat = torch.full((total + 5,), SENTINEL, dtype=dtype, device="cuda")
+    expected = flat.clone()
+    outs = [torch.zeros(t.shape, dtype=dtype, device="cuda") for t in ts]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        F.flatten_into(ts, flat, offsets)
+        F.unflatten_from(flat, outs, offsets)
+    stream.synchronize()
+    F.flatten_into_reference(ts, expected, offsets)
+    assert torch.equal(flat, expected)
+    for t, o in zip(ts, outs):
+        assert torch.equal(o, t)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_device_mismatch_message():
     with pytest.raises(RuntimeError, match="is on cpu but flat is on cuda"):
         F.flatten_into([torch.zeros(2)], torch.zeros(4, device="cuda"), [0])

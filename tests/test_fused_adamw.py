@@ -477,23 +477,30 @@ def test_fused_adamw_low_precision_vs_torch_fused(device, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_op_call_per_step_for_all_groups(device, monkeypatch):
-    import zero_ext.engine as F  # the one AdamW engine calls the op
+    import zero_ext.engine as F  # the one AdamW engine calls the op, or runs its plan
 
-    calls = []
-    real = F.fused_adamw_
+    calls, plan_runs = [], []
+    real, real_run = F.fused_adamw_, K.FusedAdamWPlan.run
 
     def counting(*args, **kw):
         calls.append(len(args[0]))
         return real(*args, **kw)
 
+    def counting_run(self, *args, **kw):
+        plan_runs.append(self.num_segments)
+        return real_run(self, *args, **kw)
+
     monkeypatch.setattr(F, "fused_adamw_", counting)
+    monkeypatch.setattr(K.FusedAdamWPlan, "run", counting_run)
     ps = _model_params(device)
     opt = FusedAdamW(_param_groups(ps))
     for _ in range(3):
         for p in ps:
             p.grad = torch.ones_like(p)
         opt.step()
-    assert calls == [len(ps)] * 3
+    assert calls + plan_runs == [len(ps)] * 3
+    if K._plan_class(torch.device(device)) is not None:  # the compiled plan serves every step
+        assert plan_runs == [len(ps)] * 3 and calls == []
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,6 +1,7 @@
 """zero_ext.native_status(), the require-native mode and the JIT cache key (zero_ext/kernels/_loader.py)."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -218,3 +219,61 @@ def test_cache_key_ignores_the_checkout_path_but_not_flags_or_cpu(monkeypatch):
     monkeypatch.setattr(_loader, "_host_isa", lambda: "a cpu without avx512")
     assert k(_kwargs("/x", native), False) != before
     assert k(_kwargs("/x"), False) == k(_kwargs("/y"), False)  # ISA only with -march=native
+
+
+def test_cache_key_ignores_where_the_version_script_lies(tmp_path, monkeypatch):
+    """The linker flags name csrc/exports.map by its path: two checkouts with the same
+    sources still share one build."""
+    from zero_ext import _build_config
+
+    keys = []
+    for where in ("one", "two"):
+        csrc = tmp_path / where / "csrc"
+        shutil.copytree(_build_config.CSRC, csrc)
+        monkeypatch.setattr(_build_config, "CSRC", str(csrc))
+        kwargs = _kwargs(str(tmp_path / where))
+        kwargs["extra_ldflags"] = [f"-Wl,--version-script={csrc}/exports.map"]
+        keys.append(_loader.cache_key(kwargs, False))
+    assert keys[0] == keys[1]
+
+
+def test_the_loaded_library_exports_nothing_of_its_own():
+    """The library this session loaded (the CPU build, JIT or setup.py's) exports nothing but
+    setup.py's PyInit__C: no std:: or other weak template copies, no static libstdc++ (see
+    tests/_symbols.py; the CUDA build is checked by test_cuda_build.py)."""
+    import _symbols
+
+    if not _loader._state["native"]:
+        pytest.skip("no native library loaded in this session")
+    library = str(_loader._state["library"])
+    if not library.endswith(".so"):
+        import zero_ext._C
+
+        library = zero_ext._C.__file__
+    missing = _symbols.tools_missing()
+    if missing:
+        pytest.skip(missing)
+    assert _symbols.problems(library) == []
+
+
+def test_a_second_copy_of_the_library_loads_in_one_process(tmp_path):
+    """Two copies of the library in one process (another build of the same sources): the
+    second registers its kernels over the first's and leaves the AdamWPlan class to the
+    first, instead of aborting the process (torch refuses a class registered twice, and a
+    library's static initializer cannot pass that error on)."""
+    library = str(_loader._state["library"])
+    if not _loader._state["native"] or not library.endswith(".so"):
+        pytest.skip("no JIT build of the native ops in this session")
+    copy = tmp_path / "zero_ext_copy.so"
+    shutil.copyfile(library, copy)
+    out = _child(f"""
+        import torch
+        from zero_ext.kernels import _ops
+        torch.ops.load_library({library!r})
+        torch.ops.load_library({str(copy)!r})
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        assert has("zero_ext::fused_adamw_", "CPU")
+        print("class:", torch.classes.zero_ext.AdamWPlan)
+    """, tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "class:" in out.stdout

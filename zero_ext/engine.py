@@ -20,19 +20,24 @@ the next chunk's compute). Everything AdamW-specific around the kernel lives her
 
 Host cost per step does not grow with tensor ops per param: the lists handed to the kernel
 are cached (rebuilt when the structure changes: groups, their params, the state dict or its
-size, which params have grads, amsgrad flags), and every ``"step"`` is a 0-d view into one
-float32 buffer per device, so one ``add_`` advances all of them (distinct elements, so a
-state dict loaded into ``torch.optim.AdamW`` keeps working).
+size, which params have grads, amsgrad flags, a state entry replaced), and every ``"step"``
+is a 0-d view into one float32 buffer per device, so one ``add_`` advances all of them
+(distinct elements, so a state dict loaded into ``torch.optim.AdamW`` keeps working).
+Where the compiled library can, each kernel call is kept in it as a plan
+(``kernels.adamw.make_plan``): a step then takes no Python work per tensor at all (the grads
+are read and every tensor's storage checked in C++; the state dicts are checked at C speed,
+by identity), and on CUDA the kernel's tables stay on the GPU: one launch per call.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from .kernels.adamw import fused_adamw_
+from .kernels.adamw import fused_adamw_, make_plan
 
 
 @dataclass(frozen=True)
@@ -166,16 +171,35 @@ def whole_params_layout(param_groups: Sequence[Dict[str, Any]]) -> StepLayout:
 _STEPPED = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", MASTER)
 
 
-def _same_state(state: Dict[Tensor, Dict[str, Any]], expected) -> bool:
-    """Whether every cached key still has the same state dict holding the same tensors
-    (identity only: values written in place need nothing, the lists view them)."""
-    for k, st, entries in expected:
-        if state.get(k) is not st or len(st) < len(entries):
+class _StateSnapshot:
+    """The state as a plan's lists view it, checked at every step at C speed (identity
+    only: values written in place need nothing, the lists view them): every key still maps
+    to the same dict, in the same order, and every stepped dict still holds the same
+    tensors in `_STEPPED` (a user resetting a moment with ``st["exp_avg"] = torch.zeros_like
+    (...)``, a replaced dict or step means a rebuild)."""
+
+    __slots__ = ("keys", "dicts", "entries")
+
+    def __init__(self, state: Dict[Tensor, Dict[str, Any]], stepping: Dict[int, dict]):
+        self.keys = list(state.keys())
+        self.dicts = list(state.values())
+        self.entries = []
+        for name in _STEPPED:
+            dicts = [st for st in stepping.values() if name in st]
+            if dicts:
+                self.entries.append((operator.itemgetter(name), dicts,
+                                     [st[name] for st in dicts]))
+
+    def same(self, state: Dict[Tensor, Dict[str, Any]]) -> bool:
+        is_ = operator.is_
+        if len(state) != len(self.dicts) or not all(map(is_, state.values(), self.dicts)) \
+                or not all(map(is_, state.keys(), self.keys)):
             return False
-        for n, t in entries:
-            if st.get(n) is not t:
-                return False
-    return True
+        try:
+            return all(all(map(is_, map(get, dicts), tensors))
+                       for get, dicts, tensors in self.entries)
+        except KeyError:  # an entry removed
+            return False
 
 
 class _StepPack:
@@ -191,14 +215,30 @@ class _StepPack:
 
 class _Call:
     """One kernel call: one chunk, one device; everything but the per-step grads (and the
-    real views of complex params, taken at each step: `p.data = t` must not go stale)."""
+    real views of complex params, taken at each step: `p.data = t` must not go stale).
+    `native`: the same call kept by the compiled library (kernels.adamw.FusedAdamWPlan)."""
 
     __slots__ = ("device", "params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
-                 "segment_groups", "grads", "pack", "step_index", "complex_params", "masters")
+                 "segment_groups", "grads", "pack", "step_index", "complex_params", "masters",
+                 "native")
 
 
 class _Plan:
-    __slots__ = ("key", "none", "chunks", "increments", "refs", "layout", "auto", "states")
+    # native: every call has its compiled plan (the per-step path without Python per tensor)
+    __slots__ = ("key", "none", "chunks", "increments", "refs", "layout", "auto", "snapshot",
+                 "native")
+
+    def ready(self) -> bool:
+        """Every call's compiled plan finds its grads and storages as built (and takes this
+        step's grad pointers; with several calls, each keeps its grads alive until it runs:
+        other calls and after_chunk run in between)."""
+        calls = [c for cs in self.chunks for c in cs]
+        hold = len(calls) > 1
+        return all(c.native.ready(hold) for c in calls)
+
+
+def _to(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    return None if t is None else t.to(device, non_blocking=True)
 
 
 def _elements(t: Tensor, offset: int, length: int, real: bool) -> Tensor:
@@ -241,36 +281,37 @@ class AdamWEngine:
         if auto:  # a plain optimizer: every param whole, the layout kept while nothing changes
             layout = plan.layout if plan is not None and plan.auto and plan.key == key \
                 else whole_params_layout(param_groups)
-        grads = [s.grad for s in layout.sources]
-        none = ()
-        if any(g is None for g in grads):
-            none = tuple(i for i, g in enumerate(grads) if g is None)
-        if plan is None or plan.layout is not layout or plan.none != none or plan.key != key \
-                or not _same_state(state, plan.states):
-            plan = self._plan = self._build(param_groups, state, layout, grads, none)
-            plan.auto = auto
+        # The compiled plans' path: no Python work per tensor (their ready() reads the grads
+        # and checks every tensor's storage in C++; the state dicts are checked by identity).
+        native = (plan is not None and plan.native and plan.layout is layout
+                  and plan.key == key and plan.snapshot.same(state) and plan.ready())
+        if not native:
+            grads = [s.grad for s in layout.sources]
+            none = ()
+            if any(g is None for g in grads):
+                none = tuple(i for i, g in enumerate(grads) if g is None)
+            if plan is None or plan.native or plan.layout is not layout or plan.none != none \
+                    or plan.key != key or not plan.snapshot.same(state):
+                plan = self._plan = self._build(param_groups, state, layout, grads, none)
+                plan.auto = auto
+                native = plan.native  # (their ready() ran in _build)
         table = torch.tensor([hparams_row(self.optimizer_class, g) for g in param_groups],
                              dtype=torch.float64)
         for pack, mask in plan.increments:
             pack.flat.add_(1 if mask is None else mask)
         for k, calls in enumerate(plan.chunks):
             for call in calls:
+                if native:
+                    call.native.run(self._steps(call), table,
+                                    _to(grad_scale, call.device), _to(found_inf, call.device))
+                    continue
                 for j, seg in call.complex_params:
                     call.params[j] = _elements(seg.key, seg.offset, seg.length, True)
                 g_list = [grads[src] if whole else _elements(grads[src], off, n, real)
                           for src, off, n, real, whole in call.grads]
-                if call.step_index is None:
-                    steps = call.pack.flat
-                elif isinstance(call.step_index, Tensor):
-                    steps = call.pack.flat.index_select(0, call.step_index)
-                else:  # steps spread over several packs: gather them on the CPU
-                    steps = torch.stack([pk.flat[i].cpu() for pk, i in call.step_index])
-                gs = None if grad_scale is None else grad_scale.to(call.device,
-                                                                   non_blocking=True)
-                fi = None if found_inf is None else found_inf.to(call.device,
-                                                                  non_blocking=True)
                 fused_adamw_(call.params, g_list, call.exp_avgs, call.exp_avg_sqs,
-                             call.max_exp_avg_sqs, steps, call.segment_groups, table, gs, fi,
+                             call.max_exp_avg_sqs, self._steps(call), call.segment_groups,
+                             table, _to(grad_scale, call.device), _to(found_inf, call.device),
                              call.masters)
             if after_chunk is not None:
                 after_chunk(k)
@@ -278,6 +319,21 @@ class AdamWEngine:
             for pack, mask in plan.increments:
                 fi = found_inf.to(pack.flat.device).reshape(())
                 pack.flat.sub_(fi if mask is None else mask * fi)
+
+    @staticmethod
+    def _steps(call: _Call) -> Tensor:
+        """The steps of a call's segments, in order (already advanced)."""
+        if call.step_index is None:
+            return call.pack.flat
+        if isinstance(call.step_index, Tensor):
+            return call.pack.flat.index_select(0, call.step_index)
+        # steps spread over several packs: gather them on the CPU
+        return torch.stack([pk.flat[i].cpu() for pk, i in call.step_index])
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # the cached lists and compiled plans are rebuilt at the next step (a plan holds
+        # pointers into its tensors: it is neither copied nor pickled)
+        return {**self.__dict__, "_plan": None}
 
     # -- cache ----------------------------------------------------------------------------
     @staticmethod
@@ -328,13 +384,42 @@ class AdamWEngine:
         plan = _Plan()
         plan.none, plan.chunks, plan.increments = none, chunks, increments
         plan.refs = (state, [g["params"] for g in param_groups])
-        # the state entries the lists view: a replaced dict, step or state tensor (a user
-        # resetting a moment with `st["exp_avg"] = torch.zeros_like(...)`) means a rebuild
-        plan.states = [(keys[kid], st, tuple((n, st[n]) for n in _STEPPED if n in st))
-                       for kid, st in stepping.items()]
+        plan.snapshot = _StateSnapshot(state, stepping)
         plan.layout, plan.auto = layout, False
         plan.key = self._key(param_groups, state)  # after the lazy init grew the state
+        plan.native = self._native_plans(chunks, layout.sources, none, param_groups)
         return plan
+
+    def _native_plans(self, chunks, sources, none, param_groups) -> bool:
+        """Give every call its compiled plan (kernels.adamw.make_plan); True when all of
+        them have one (and found their grads: ready), else none keeps one."""
+        calls = [c for cs in chunks for c in cs]
+        for c in calls:
+            c.native = None
+        if not calls:
+            return False
+        table = torch.tensor([hparams_row(self.optimizer_class, g) for g in param_groups],
+                             dtype=torch.float64)
+        # the sources without a grad: one plan checks that they still have none
+        no_grad = [sources[i] for i in none]
+        for c in calls:
+            if c.complex_params or isinstance(c.step_index, list):
+                break  # real views taken per step; steps gathered from several packs
+            srcs = sorted({src for src, *_ in c.grads})
+            local = {src: j for j, src in enumerate(srcs)}
+            c.native = make_plan(
+                c.params, c.exp_avgs, c.exp_avg_sqs, c.max_exp_avg_sqs, c.masters,
+                [sources[j] for j in srcs], [local[g[0]] for g in c.grads],
+                [g[1] for g in c.grads], no_grad, c.segment_groups, table,
+                hold=len(calls) > 1)
+            if c.native is None:
+                break
+            no_grad = []
+        if any(c.native is None for c in calls):
+            for c in calls:
+                c.native = None
+            return False
+        return True
 
     @staticmethod
     def _init_state(state, key: Tensor, amsgrad: bool, on_device: bool,

@@ -262,7 +262,10 @@ class FusedAdamW(torch.optim.Optimizer):
         return torch.tensor(norm, dtype=torch.float32, device=device)
 
     def _params(self) -> list:
-        return [p for g in self.param_groups for p in g["params"]]
+        return list(self._iter_params())
+
+    def _iter_params(self):
+        return (p for g in self.param_groups for p in g["params"])
 
     def _clip_after_step(self) -> None:
         """Clip factors stay with the grads that survive the step unchanged (see
@@ -286,11 +289,16 @@ class FusedAdamW(torch.optim.Optimizer):
                 self._clip_after_step()
                 return loss
             found_inf = None
-        params = self._params()
-        if self.reads_carried_clips:
-            self._clip = grad_norm.with_carried(self._clip, [p.grad for p in params])
+        # No list of params or grads unless a clip is pending or carried: with the engine's
+        # compiled plans a step has no other Python work per param.
+        if self.reads_carried_clips:  # (a generator: read only when some grad carries one)
+            self._clip = grad_norm.with_carried(self._clip,
+                                                (p.grad for p in self._iter_params()))
         pending = self._clip
-        stepped = [i for i, p in enumerate(params) if p.grad is not None] if pending else ()
+        params, stepped = (), ()
+        if pending:
+            params = self._params()
+            stepped = [i for i, p in enumerate(params) if p.grad is not None]
         with grad_norm.applied(pending, params, stepped) as clip:
             self._engine.step(self.param_groups, self.state,
                               grad_scale=kernel_divisor(grad_scale, clip), found_inf=found_inf)

@@ -334,7 +334,10 @@ def cache_key(kwargs: dict, cuda: bool, env=None) -> str:
     add("name", kwargs["name"])
     add("sources", sorted(os.path.basename(s) for s in kwargs["sources"]))
     for k in ("extra_cflags", "extra_ldflags", "extra_cuda_cflags", "with_cuda"):
-        add(k, kwargs.get(k))
+        v = kwargs.get(k)
+        if isinstance(v, list):  # csrc/ paths (the linker's version script) by name only
+            v = [x.replace(_build_config.CSRC, "<csrc>") for x in v]
+        add(k, v)
     add("torch", (torch.__version__, torch.version.cuda, getattr(torch.version, "git_version", "")))
     add("python", sys.version_info[:2])
     add("cxx", env.get("CXX", "c++"))

@@ -31,6 +31,12 @@ groups are updated by one kernel launch (CUDA) or one parallel loop (CPU).
 Non-contiguous tensors, and dtypes the kernels do not cover (float64), are accepted by the
 wrapper :func:`fused_adamw_`: contiguous copies are staged and written back, float64 segments
 run the reference. :func:`fused_adamw_reference_` is the pure-PyTorch oracle of the tests.
+
+:func:`make_plan` keeps one such call in the compiled library from step to step
+(:class:`FusedAdamWPlan`): the lists are converted and checked once, on CUDA the kernel's
+table of pointers and chunks stays on the GPU, and a step reads the grads from their sources,
+checks that every tensor kept its storage (a few loads per tensor, in C++), copies the step's
+hyperparameters and steps, and launches once.
 Unlike ``torch._fused_adamw_`` the op never writes the grads (they are not mutable in the
 schema), so grads keep their scaled values after a step with ``grad_scale``.
 """
@@ -49,9 +55,11 @@ from ._loader import ensure_loaded, native_available
 __all__ = [
     "HPARAM_COLUMNS",
     "NATIVE_DTYPES",
+    "FusedAdamWPlan",
     "fused_adamw_",
     "fused_adamw_reference_",
     "group_hparams_table",
+    "make_plan",
 ]
 
 HPARAM_COLUMNS = ("lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize")
@@ -387,3 +395,91 @@ def _run_staged(plan, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, mas
             steps.index_select(0, idx.to(steps.device)), segment_groups.index_select(0, idx),
             group_hparams, grad_scale, found_inf,
             [masters[i] for i in reference] if any_masters else [])
+
+
+# --------------------------------------------------------------------------- plan
+
+class FusedAdamWPlan:
+    """One :func:`fused_adamw_` call kept from step to step by the compiled library
+    (``torch.classes.zero_ext.AdamWPlan``, csrc/fused_adamw_plan.cpp); made by
+    :func:`make_plan`.
+
+    - :meth:`ready`: whether a step may run on the lists as built: every source has a grad
+      (every ``no_grad_sources`` entry still none) of the dtype, numel and device seen at
+      build, contiguous, aligned as at build; every param and state tensor has the storage
+      it had (``p.data = t``, a moment's ``.data`` replaced: False), every param its numel.
+      It also takes this step's grad pointers. False changes nothing: the caller rebuilds
+      its lists.
+    - :meth:`run`: the step, right after a :meth:`ready` that returned True, with this
+      step's ``steps`` (float32 ``[S]``, on the CPU or the params' device), ``group_hparams``
+      (every step: an lr from a scheduler is taken), ``grad_scale`` and ``found_inf``.
+
+    Replacing a state tensor in its dict (``st["exp_avg"] = t``) is not seen here: the
+    caller (the AdamW engine) watches its state dicts.
+    """
+
+    __slots__ = ("_native", "num_segments", "device")
+
+    def __init__(self, native, num_segments: int, device: torch.device):
+        self._native = native
+        self.num_segments = num_segments
+        self.device = device
+
+    def ready(self, hold: bool = False) -> bool:
+        """``hold``: keep the grads alive until :meth:`run` (for a caller that runs other
+        code in between)."""
+        return bool(self._native.ready(hold))
+
+    def run(self, steps: Tensor, group_hparams: Tensor, grad_scale: Optional[Tensor] = None,
+            found_inf: Optional[Tensor] = None) -> None:
+        self._native.run(steps, group_hparams, grad_scale, found_inf)
+
+    def __reduce__(self):
+        raise TypeError("FusedAdamWPlan holds pointers into its tensors; it cannot be copied "
+                        "or pickled (build a new one with make_plan)")
+
+
+def _plan_class(device: torch.device):
+    """torch.classes.zero_ext.AdamWPlan when the loaded library has it and a compiled
+    fused_adamw_ kernel for this device, else None."""
+    if not _has_native_kernel(device):
+        return None
+    try:
+        return torch.classes.zero_ext.AdamWPlan
+    except (RuntimeError, AttributeError):  # a library built before the plan existed
+        return None
+
+
+def make_plan(params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+              exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor],
+              masters: Sequence[Tensor], sources: Sequence[Tensor],
+              seg_source: Sequence[int], seg_grad_offset: Sequence[int],
+              no_grad_sources: Sequence[Tensor], segment_groups: Tensor,
+              group_hparams: Tensor, hold: bool = False) -> Optional[FusedAdamWPlan]:
+    """A :class:`FusedAdamWPlan` for these lists, or None where :func:`fused_adamw_` must
+    serve them instead: no compiled plan for the device (CPU-only build, references), a
+    segment the kernels do not take as it is (non-contiguous, float64, complex: staged or
+    run by the reference), a grad that is missing, sparse or non-contiguous, or any input
+    the op would reject (its checks raise, here that means None; the op then reports it).
+
+    Segment ``i`` is ``params[i]`` (with its state entries as in :func:`fused_adamw_`) and
+    its grad is elements ``[seg_grad_offset[i], + numel)`` of ``sources[seg_source[i]].grad``
+    flattened. Not ready when built is None too (``hold``: as in :meth:`FusedAdamWPlan.ready`,
+    for the run that follows)."""
+    ensure_loaded()
+    if not params:
+        return None
+    device = params[0].device
+    cls = _plan_class(device)
+    if cls is None:
+        return None
+    try:
+        native = cls(list(params), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
+                     list(masters), list(sources),
+                     torch.tensor(list(seg_source), dtype=torch.int64),
+                     torch.tensor(list(seg_grad_offset), dtype=torch.int64),
+                     list(no_grad_sources), segment_groups, group_hparams)
+    except RuntimeError:
+        return None
+    plan = FusedAdamWPlan(native, len(params), device)
+    return plan if plan.ready(hold) else None

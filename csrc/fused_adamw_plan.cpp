@@ -1,0 +1,295 @@
+// zero_ext.AdamWPlan (torch.classes.zero_ext.AdamWPlan): one fused AdamW call whose lists
+// are kept in C++ from step to step, so that a step costs one check per tensor in C++ and one
+// launch, not the op's list conversion and checks at every call (zero_ext/kernels/adamw.py,
+// FusedAdamWPlan, is its Python side; docs/performance.md, "The kernels on a GPU").
+//
+// Built from the op's lists (params, moments, max, masters, group of each segment) plus where
+// each segment's grad comes from: `sources[seg_source[i]].grad`, from element
+// seg_grad_offset[i] on (whole or a run of the source's flattened grad). Grads are read from
+// their sources at each step, since autograd gives new grad tensors step after step.
+// - ready(): whether a step may run as built: every source still has a grad (and every
+//   source in `no_grad_sources` still none) of the dtype, device and numel seen at build,
+//   contiguous, not sparse, aligned as at build where the kernel's vector accesses need it,
+//   and every param / state tensor still has the storage (data pointer) seen at build, every
+//   param its numel; also records each segment's grad pointer. False: nothing was
+//   changed, and the caller rebuilds (or takes the op path, whose checks report any bad input).
+// - run(steps, group_hparams, grad_scale, found_inf): the step, after a ready() that returned
+//   True; the hyperparameters and the steps are read fresh. CUDA: the static table (pointers,
+//   numels, chunks) lives on the device since the build; a step copies the per-step table and
+//   launches once (fused_adamw.cu). CPU: the CPU kernel runs on the kept lists.
+// The constructor checks every segment as the op does (same messages): it raises for what
+// the op would reject.
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "fused_adamw_common.h"
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace zero_ext {
+namespace adamw {
+namespace {
+
+using Tensors = std::vector<at::Tensor>;
+
+c10::List<at::Tensor> to_list(const Tensors& ts) {
+  c10::List<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const at::Tensor& t : ts) out.push_back(t);
+  return out;
+}
+
+const void* data_or_null(const at::Tensor& t) {
+  return t.defined() && t.numel() > 0 ? t.const_data_ptr() : nullptr;
+}
+
+}  // namespace
+
+class AdamWPlan : public torch::CustomClassHolder {
+ public:
+  AdamWPlan(Tensors params, Tensors exp_avgs, Tensors exp_avg_sqs, Tensors max_exp_avg_sqs,
+            Tensors masters, Tensors sources, at::Tensor seg_source, at::Tensor seg_grad_offset,
+            Tensors no_grad_sources, at::Tensor segment_groups, at::Tensor group_hparams)
+      : params_(to_list(params)),
+        exp_avgs_(to_list(exp_avgs)),
+        exp_avg_sqs_(to_list(exp_avg_sqs)),
+        max_exp_avg_sqs_(to_list(max_exp_avg_sqs)),
+        masters_(to_list(masters)),
+        sources_(std::move(sources)),
+        no_grad_sources_(std::move(no_grad_sources)) {
+    const int64_t S = check_list_lengths(params_, params_, exp_avgs_, exp_avg_sqs_,
+                                         max_exp_avg_sqs_, masters_);
+    TORCH_CHECK(S > 0 && S < (int64_t(1) << 31), "AdamWPlan: needs 1 to 2^31 - 1 segments, got ",
+                S);
+    device_ = params_.get(0).device();
+    TORCH_CHECK(device_.is_cpu() || device_.is_cuda(), "AdamWPlan: params on ", device_);
+    TORCH_CHECK(device_.is_cpu() || cuda_plan_ops() != nullptr,
+                "AdamWPlan: this build of the library has no CUDA kernels");
+    for (const at::Tensor* t : {&seg_source, &seg_grad_offset, &segment_groups}) {
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->numel() == S &&
+                      t->device().is_cpu(),
+                  "AdamWPlan: seg_source, seg_grad_offset and segment_groups must be int64 CPU "
+                  "tensors of shape [", S, "]");
+    }
+    TORCH_CHECK(group_hparams.scalar_type() == at::kDouble && group_hparams.dim() == 2 &&
+                    group_hparams.size(1) == kCols && group_hparams.device().is_cpu(),
+                "AdamWPlan: group_hparams must be a float64 CPU tensor of shape [G, 7]");
+    groups_ = segment_groups.contiguous();
+    const at::Tensor src_c = seg_source.contiguous(), off_c = seg_grad_offset.contiguous();
+    const at::Tensor hp = group_hparams.contiguous();
+    const int64_t* group = groups_.data_ptr<int64_t>();
+    const int64_t* src = src_c.data_ptr<int64_t>();
+    const int64_t* off = off_c.data_ptr<int64_t>();
+    const int64_t G = hp.size(0);
+    const int64_t n_src = static_cast<int64_t>(sources_.size());
+
+    // Each source's grad as it is now: what every later step must find again.
+    src_dtype_.resize(n_src);
+    src_numel_.resize(n_src);
+    std::vector<at::Tensor> src_grad(n_src);
+    for (int64_t j = 0; j < n_src; ++j) {
+      const at::Tensor g = sources_[j].grad();
+      TORCH_CHECK(g.defined() && !g.is_sparse() && g.is_contiguous(),
+                  "AdamWPlan: source ", j, " has no grad, or a sparse or non-contiguous one");
+      src_grad[j] = g.view({-1});
+      src_dtype_[j] = g.scalar_type();
+      src_numel_[j] = g.numel();
+    }
+    ams_.assign(G, -1);
+    seg_src_.resize(S);
+    seg_off_bytes_.resize(S);
+    whole_.resize(S);
+    check_vec_.resize(S);
+    grad_ptrs_.assign(S, nullptr);
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t gi = group[i], j = src[i];
+      TORCH_CHECK(gi >= 0 && gi < G, "fused_adamw_: segment_groups[", i, "] = ", gi,
+                  " is out of range for ", G, " groups");
+      TORCH_CHECK(j >= 0 && j < n_src, "AdamWPlan: seg_source[", i, "] = ", j,
+                  " is out of range for ", n_src, " sources");
+      const at::Tensor& p = params_.get(i);
+      const int64_t n = p.numel();
+      TORCH_CHECK(off[i] >= 0 && off[i] <= src_numel_[j] - n, "AdamWPlan: segment ", i,
+                  " (", n, " elements at grad offset ", off[i], ") does not fit in the grad of "
+                  "source ", j, " (", src_numel_[j], " elements)");
+      const bool ams = hp.data_ptr<double>()[gi * kCols + 5] != 0.0;
+      ams_[gi] = ams;
+      const at::Tensor g = src_grad[j].narrow(0, off[i], n);
+      const at::Tensor& m = exp_avgs_.get(i);
+      const at::Tensor& v = exp_avg_sqs_.get(i);
+      void* vmax = check_segment(i, p, g, m, v, max_exp_avg_sqs_, gi, ams, device_);
+      float* master = check_master(i, p, m, v, masters_, device_);
+      seg_src_[i] = j;
+      seg_off_bytes_[i] = off[i] * g.element_size();
+      whole_[i] = off[i] == 0 && n == src_numel_[j];
+      // the pointers each step must find again: param, moments, max, master
+      check_vec_[i] = {p.const_data_ptr(), m.const_data_ptr(), v.const_data_ptr(),
+                       vmax, master, n};
+      if (n == 0) continue;
+      grad_ptrs_[i] = g.const_data_ptr();
+      PlanSegment s = make_segment(i, gi, p, grad_ptrs_[i], m, v, vmax, master);
+      segs_.push_back(s);
+      grad_align_.push_back((s.flags & kAligned) ? kVec * p.element_size() : 1);
+    }
+    S_ = S;
+    if (device_.is_cuda() && !segs_.empty()) {
+      table_ = cuda_plan_ops()->upload(segs_, device_, /*sync=*/true, &n_chunks_);
+    }
+  }
+
+  // See the file's comment. Cost: a few loads per tensor. `hold`: keep a reference to each
+  // grad until run() (for a caller that runs other code between the two, which might drop
+  // a grad; without it the grads must stay as they are until run() launches).
+  bool ready(bool hold) {
+    ready_ = false;
+    held_.clear();
+    for (const at::Tensor& t : no_grad_sources_) {
+      if (t.grad().defined()) return false;
+    }
+    const int64_t n_src = static_cast<int64_t>(sources_.size());
+    src_base_.resize(n_src);
+    for (int64_t j = 0; j < n_src; ++j) {
+      const at::Tensor& g = sources_[j].grad();
+      if (!g.defined() || g.is_sparse() || g.scalar_type() != src_dtype_[j] ||
+          g.device() != device_ || g.numel() != src_numel_[j] || !g.is_contiguous()) {
+        return false;
+      }
+      src_base_[j] = static_cast<const char*>(g.const_data_ptr());
+      if (hold) held_.push_back(g);
+    }
+    size_t k = 0;  // the non-empty segments, in order
+    for (int64_t i = 0; i < S_; ++i) {
+      const at::Tensor& p = params_.get(i);
+      const SegPtrs& want = check_vec_[i];
+      if (p.const_data_ptr() != want.p || p.numel() != want.numel ||
+          exp_avgs_.get(i).const_data_ptr() != want.m ||
+          exp_avg_sqs_.get(i).const_data_ptr() != want.v) {
+        return false;
+      }
+      if (want.vmax != nullptr && max_exp_avg_sqs_.get(i).const_data_ptr() != want.vmax) {
+        return false;
+      }
+      if (want.w != nullptr && masters_.get(i).const_data_ptr() != want.w) return false;
+      const char* g = src_base_[seg_src_[i]] + seg_off_bytes_[i];
+      if (want.numel > 0) {
+        if (!aligned_to(g, grad_align_[k])) return false;  // built for vector accesses
+        ++k;
+      }
+      grad_ptrs_[i] = g;
+    }
+    ready_ = true;
+    return true;
+  }
+
+  void run(at::Tensor steps, at::Tensor group_hparams, std::optional<at::Tensor> grad_scale,
+           std::optional<at::Tensor> found_inf) {
+    TORCH_CHECK(ready_, "AdamWPlan.run: ready() must return True right before each run");
+    ready_ = false;
+    const std::vector<at::Tensor> held = std::move(held_);  // released when the step is queued
+    held_.clear();
+    check_step_args(S_, steps, groups_, group_hparams, device_);
+    const int64_t G = group_hparams.size(0);
+    TORCH_CHECK(G >= static_cast<int64_t>(ams_.size()),
+                "AdamWPlan.run: group_hparams has ", G, " groups, the plan was built for ",
+                ams_.size());
+    const at::Tensor hp = group_hparams.contiguous();
+    for (size_t g = 0; g < ams_.size(); ++g) {
+      TORCH_CHECK(ams_[g] < 0 || ams_[g] == (hp.data_ptr<double>()[g * kCols + 5] != 0.0),
+                  "AdamWPlan.run: amsgrad of group ", g, " changed since the plan was built");
+    }
+    if (device_.is_cpu()) {
+      // The CPU kernel on the kept lists and this step's grads (its own checks included).
+      c10::List<at::Tensor> grads;
+      grads.reserve(S_);
+      for (int64_t i = 0; i < S_; ++i) {
+        const at::Tensor& g = sources_[seg_src_[i]].grad();
+        const int64_t n = params_.get(i).numel();
+        grads.push_back(whole_[i] ? g : g.view({-1}).narrow(
+                                            0, seg_off_bytes_[i] / g.element_size(), n));
+      }
+      fused_adamw_cpu(params_, grads, exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, steps,
+                      groups_, hp, grad_scale, found_inf, masters_);
+      return;
+    }
+    for (const std::optional<at::Tensor>* t : {&grad_scale, &found_inf}) {
+      if (!t->has_value()) continue;
+      TORCH_CHECK((*t)->scalar_type() == at::kFloat && (*t)->numel() == 1 &&
+                      ((*t)->device() == device_ || (*t)->device().is_cpu()),
+                  "fused_adamw_: grad_scale and found_inf must be float32 tensors with one "
+                  "element, on ", device_, " or the CPU");
+    }
+    if (segs_.empty()) return;
+    cuda_plan_ops()->step(table_, static_cast<int64_t>(segs_.size()), n_chunks_, S_,
+                          grad_ptrs_.data(), groups_.data_ptr<int64_t>(), steps, hp,
+                          grad_scale, found_inf, device_);
+  }
+
+  int64_t num_segments() const { return S_; }
+
+ private:
+  struct SegPtrs {
+    const void* p;
+    const void* m;
+    const void* v;
+    const void* vmax;
+    const void* w;
+    int64_t numel;  // the param's
+  };
+
+  c10::List<at::Tensor> params_, exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, masters_;
+  Tensors sources_, no_grad_sources_;
+  at::Tensor groups_;  // int64 [S], CPU
+  at::Device device_{at::kCPU};
+  int64_t S_ = 0;
+  std::vector<at::ScalarType> src_dtype_;
+  std::vector<int64_t> src_numel_;
+  std::vector<int8_t> ams_;  // per group: -1 no segment, else its amsgrad flag at build
+  std::vector<int64_t> seg_src_, seg_off_bytes_;
+  std::vector<bool> whole_;
+  std::vector<SegPtrs> check_vec_;
+  std::vector<int64_t> grad_align_;  // per non-empty segment: the grad's required alignment
+  std::vector<const char*> src_base_;
+  std::vector<const void*> grad_ptrs_;  // per segment, as of the last ready()
+  std::vector<at::Tensor> held_;        // the grads, from ready(hold=true) to run()
+  std::vector<PlanSegment> segs_;       // the non-empty segments
+  at::Tensor table_;                    // CUDA: the static table on the device
+  int64_t n_chunks_ = 0;
+  bool ready_ = false;
+};
+
+}  // namespace adamw
+}  // namespace zero_ext
+
+namespace {
+
+void define_plan_class(torch::Library& m) {
+  m.class_<zero_ext::adamw::AdamWPlan>("AdamWPlan")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, at::Tensor,
+                       std::vector<at::Tensor>, at::Tensor, at::Tensor>())
+      .def("ready", &zero_ext::adamw::AdamWPlan::ready)
+      .def("run", &zero_ext::adamw::AdamWPlan::run)
+      .def("num_segments", &zero_ext::adamw::AdamWPlan::num_segments);
+}
+
+// A fragment of the namespace (its op schemas are defined in Python, zero_ext/kernels/_ops.py),
+// registered once per process: torch refuses a second class of one name with an exception,
+// which a static initializer cannot pass on (the process would abort while loading a second
+// copy of the library, another build of these sources). Such a copy's kernels are
+// registered over the first's; its class is not (the first one serves).
+struct RegisterPlanClass {
+  std::unique_ptr<torch::Library> lib;
+  RegisterPlanClass() {
+    if (torch::getCustomClass("__torch__.torch.classes.zero_ext.AdamWPlan")) return;
+    lib = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "zero_ext", std::nullopt,
+                                           __FILE__, __LINE__);
+    define_plan_class(*lib);
+  }
+} register_plan_class;
+
+}  // namespace

@@ -16,7 +16,6 @@ more) stop growing after the first iterations.
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -98,8 +97,8 @@ def _compiled(rank, world, cfg):
     """ITERS iterations of the reference and the candidate, where cfg["compile"] compiles
     "step" (opt.step = torch.compile(opt.step)), "update" (a function calling
     clip_grad_norm_, step and zero_grad) or "train_step" (the same with forward and
-    backward). Returns the candidate's final params, the graphs compiled after each
-    iteration and each iteration's seconds."""
+    backward). Returns the candidate's final params and the graphs compiled after each
+    iteration."""
     _fresh_dynamo()
     (ref, o_ref), (zero, call, opt) = _pair(cfg)
     clip = cfg.get("clip", False)
@@ -127,12 +126,10 @@ def _compiled(rank, world, cfg):
     if where == "train_step":
         train_step = torch.compile(train_step, backend=backend)
 
-    graphs, seconds = [], []
+    graphs = []
     for it in range(ITERS):
         n_ref = _reference_iteration(rank, it, ref, o_ref, clip, s_ref)
-        t0 = time.perf_counter()
         n_zero = train_step(_batch(rank, it))
-        seconds.append(time.perf_counter() - t0)
         if s_zero is not None:
             s_zero.step()
         graphs.append(_graphs())
@@ -141,7 +138,7 @@ def _compiled(rank, world, cfg):
                                        msg=lambda m, it=it, name=name: f"iter {it} {name}: {m}")
         if clip:
             torch.testing.assert_close(n_zero, n_ref, atol=1e-6, rtol=1e-5)
-    return [p.detach().clone() for p in zero.module.parameters()], graphs, seconds
+    return [p.detach().clone() for p in zero.module.parameters()], graphs
 
 
 def _check(results, max_graphs=GRAPH_BOUND):
@@ -149,7 +146,7 @@ def _check(results, max_graphs=GRAPH_BOUND):
     for r in range(1, len(per_rank)):
         for i, (a, b) in enumerate(zip(per_rank[0], per_rank[r])):
             assert torch.equal(a, b), f"param {i} differs between rank 0 and rank {r}"
-    for rank, (_, graphs, _) in enumerate(results):
+    for rank, (_, graphs) in enumerate(results):
         # nothing compiled after the warm-up: every later iteration ran what was cached
         assert graphs[2] == graphs[-1], f"rank {rank}: graphs after each iteration {graphs}"
         assert graphs[-1] <= max_graphs, f"rank {rank}: {graphs[-1]} graphs compiled"
@@ -164,17 +161,17 @@ def test_compiled_step_method(world, sharding, hook):
     """The whole step (its pre-hooks too) runs eagerly: dynamo compiles nothing."""
     results = _check(run_world(_compiled, world, dict(compile="step", hook=hook,
                                                       sharding=sharding, clip=hook)))
-    for _, graphs, _ in results:
+    for _, graphs in results:
         assert graphs[-1] == 0, graphs
 
 
 def test_compiled_step_method_default_backend():
-    """The recipe as written (inductor): nothing is compiled, so no iteration is slow."""
+    """The recipe as written (inductor): nothing is compiled (so no iteration pays for a
+    compilation; counted in graphs, not timed: tests never assert wall-clock time)."""
     results = _check(run_world(_compiled, 2, dict(compile="step", hook=True, sharding="flat",
                                                   backend="inductor")))
-    for _, graphs, seconds in results:
+    for _, graphs in results:
         assert graphs[-1] == 0, graphs
-        assert max(seconds) < 5.0, seconds  # (traced: seconds per iteration)
 
 
 # ------------------------------------------------------------------ a compiled function

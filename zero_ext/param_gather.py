@@ -35,8 +35,10 @@ the next forward instead of adding to the step.
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
 import os
+import sys
 import threading
 import time
 import types
@@ -152,6 +154,163 @@ class _AttributeReads:
 
 
 _READS = _AttributeReads()
+
+
+class _PendingParams(dict):
+    """A module's ``_parameters`` while an exchange in flight carries some of its params.
+
+    Whatever torch or a script does with a module's params outside its forward goes
+    through this dict: ``state_dict`` and ``load_state_dict``, ``parameters()`` and
+    ``named_parameters()`` (DDP's constructor and its final sync after a Join, a script's
+    EMA), ``Module._apply`` (``to``, ``half``, ``cpu``, ...), pickling (``torch.save(model)``)
+    and ``copy.deepcopy`` (through ``Module.__getstate__``), an attribute read
+    (``model.head.weight``) and a param assigned or deleted. So every read or write of a
+    value here first waits for the collectives carrying this module's params, then puts the
+    module's own dict back: from then on the module holds nothing of zero_ext's, and nothing
+    stays on it once the exchange has finished. It pickles and copies as a plain dict.
+    Names (``in``, ``len``, iteration over keys) need no wait.
+
+    ``items()`` and ``values()`` called by torch's ``Module.zero_grad`` do not wait: it reads
+    the grads only, and HF's Trainer calls it between the step and the next forward, where a
+    wait would remove the overlap. That caller is known by its code object on the stack (a
+    torch internal: if it changes, zero_grad waits, which is correct, only slower)."""
+
+    __slots__ = ("plain", "owner", "needs")
+
+    def __init__(self, plain: dict, module: torch.nn.Module):
+        super().__init__(plain)
+        self.plain = plain                 # the module's own dict, put back once waited
+        self.owner = weakref.ref(module)
+        self.needs: dict = {}              # ParamGather -> last item carrying these params
+
+    def settle(self, by_forward: bool = False) -> dict:
+        """Wait for this module's params (raising an exchange's failure, now and at every
+        later read); the module gets its own dict back, which is returned."""
+        while self.needs:
+            gather, k = next(iter(self.needs.items()))
+            if gather.queue is not None:
+                gather._wait_through(k, by_forward)
+            self.needs.pop(gather, None)
+        self._put_back()
+        return self.plain
+
+    def release(self, gather: "ParamGather") -> None:
+        """(gather's exchange has finished)"""
+        self.needs.pop(gather, None)
+        if not self.needs:
+            self._put_back()
+
+    def _put_back(self) -> None:
+        module = self.owner()
+        if module is not None and module.__dict__.get("_parameters") is self:
+            module.__dict__["_parameters"] = self.plain
+
+    # reads of values
+    def __getitem__(self, key):
+        return self.settle()[key]
+
+    def get(self, key, default=None):
+        return self.settle().get(key, default)
+
+    def items(self):
+        return (self.plain if self.needs and _grads_only() else self.settle()).items()
+
+    def values(self):
+        return (self.plain if self.needs and _grads_only() else self.settle()).values()
+
+    def copy(self):
+        return self.settle().copy()
+
+    __copy__ = copy
+
+    def __deepcopy__(self, memo):
+        out: dict = {}
+        memo[id(self)] = out
+        for key, value in self.settle().items():
+            out[copy.deepcopy(key, memo)] = copy.deepcopy(value, memo)
+        return out
+
+    def __reduce_ex__(self, protocol):
+        return dict, (), None, None, iter(self.settle().items())
+
+    def __reduce__(self):
+        return self.__reduce_ex__(2)
+
+    def __repr__(self):
+        return repr(self.settle())
+
+    def __eq__(self, other):
+        return self.settle() == other
+
+    def __ne__(self, other):
+        return self.settle() != other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __or__(self, other):
+        return self.settle() | other
+
+    def __ror__(self, other):
+        return other | self.settle()
+
+    # writes: into the module's own dict (and this one, for whoever still holds it)
+    def __setitem__(self, key, value):
+        self.settle()[key] = value
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key):
+        del self.settle()[key]
+        dict.__delitem__(self, key)
+
+    def pop(self, key, *default):
+        out = self.settle().pop(key, *default)
+        dict.pop(self, key, None)
+        return out
+
+    def popitem(self):
+        key, value = self.settle().popitem()
+        dict.pop(self, key, None)
+        return key, value
+
+    def setdefault(self, key, default=None):
+        out = self.settle().setdefault(key, default)
+        dict.setdefault(self, key, out)
+        return out
+
+    def update(self, *args, **kwargs):
+        self.settle().update(*args, **kwargs)
+        dict.clear(self)
+        dict.update(self, self.plain)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def clear(self):
+        self.settle().clear()
+        dict.clear(self)
+
+
+def _plain(module: torch.nn.Module) -> dict:
+    """A module's own `_parameters` (zero_ext's reads: no wait)."""
+    held = module.__dict__.get("_parameters", {})
+    return held.plain if type(held) is _PendingParams else held
+
+
+_ZERO_GRAD = torch.nn.Module.zero_grad.__code__
+_ZERO_GRAD_DEPTH = 8  # frames from items() up to zero_grad: _named_members' lambda, ...
+
+
+def _grads_only() -> bool:
+    """Whether torch's Module.zero_grad (grads only) asked for the params."""
+    frame = sys._getframe(2)
+    for _ in range(_ZERO_GRAD_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_code is _ZERO_GRAD:
+            return True
+        frame = frame.f_back
+    return False
 
 
 _OWN_SALTS = 1 << 48  # far above any count torch's own group names reach
@@ -333,8 +492,10 @@ class ParamGather:
         self._seen: set = set()
         self._read_early: set = set()  # read as an attribute before its module's forward
         self.ids: set = set()         # id of every param of the optimizer
-        self.modules: "weakref.WeakSet" = weakref.WeakSet()  # hooks registered on them
+        self.modules: "weakref.WeakSet" = weakref.WeakSet()  # modules holding the params
         self._scanned: "weakref.WeakSet" = weakref.WeakSet()  # their trees searched
+        self.held: list = []          # their _PendingParams while the exchange is in flight
+        self.written: int | None = None  # a param written by another hand meanwhile
         self.lanes: list | None = None  # gloo: the exchange's own groups
         self.lane_count = 1           # lanes for all-gathers (agreed: alike on every rank)
         self.gathers = False          # (gloo) the last exchange was of all-gathers
@@ -461,6 +622,8 @@ class ParamGather:
         self.first_end = max((k for k, pids in enumerate(params_of_items)
                               if self.unclaimed.intersection(pids)), default=-1)
         self.threaded = queue.bounded
+        self._watch_writes(queue, params, params_of_items)
+        self._hold_modules(queue.size)
         guard_shutdown()
         _IN_FLIGHT.add(self)
         if self.threaded:
@@ -470,50 +633,83 @@ class ParamGather:
         _activate(self)
 
     def before_forward(self, module: torch.nn.Module) -> None:
-        params = [p for p in module._parameters.values() if p is not None]
         if self.recorded is not None:
-            for p in params:
-                if id(p) in self.ids and id(p) not in self._seen:
+            for p in _plain(module).values():
+                if p is not None and id(p) in self.ids and id(p) not in self._seen:
                     self._seen.add(id(p))
                     self.recorded.append(id(p))
-            # model.state_dict() / load_state_dict() of any module holding the params wait,
-            # also of those whose forward never runs (read by their parent: F.linear(x,
-            # self.head.weight)): every module below the outermost one called
+            # every module below the outermost one called that holds the params waits from
+            # then on, also one whose forward never runs (read by its parent: F.linear(x,
+            # self.head.weight)), for whatever reads its params (_PendingParams)
             if module not in self._scanned:
                 for sub in module.modules():
                     self._scanned.add(sub)
-                    if any(id(q) in self.ids for q in sub._parameters.values()
-                           if q is not None):
-                        self._hook_module(sub)
+                    if any(q is not None and id(q) in self.ids
+                           for q in _plain(sub).values()):
+                        self.modules.add(sub)
         queue = self.queue
-        if queue is not None and queue.finished <= self.first_end:
+        if queue is None:
+            return
+        if queue.finished <= self.first_end:
             # the forward's first module, whichever: params it reads outside module hooks
             self._wait_through(self.first_end, by_forward=True)
-        if not any(id(p) in self.ids for p in params):
-            return
-        self._hook_module(module)
-        if self.queue is None:
-            return
-        need = max((self.last_item.get(id(p), -1) for p in params), default=-1)
-        if need >= 0:
+        held = module.__dict__.get("_parameters")
+        if type(held) is _PendingParams and self in held.needs:
+            held.settle(by_forward=True)
+
+    def _hold_modules(self, size: int) -> None:
+        """Every module known to hold the params gets a _PendingParams in place of its
+        `_parameters` until the collectives carrying them have finished: whatever reads or
+        writes them through the module waits for them first."""
+        for module in list(self.modules):
+            plain = _plain(module)
+            need = max((self.last_item.get(id(p), -1) for p in plain.values()
+                        if p is not None), default=-1)
+            if need < 0:
+                continue
             # past its last param in the recorded order, the forward completes the rest
             # too (params it does not use): no rank's exchange outlives its forward
-            self._wait_through(self.queue.size - 1 if need >= self.order_end else need,
-                               by_forward=True)
+            need = size - 1 if need >= self.order_end else need
+            held = module.__dict__["_parameters"]
+            if type(held) is not _PendingParams:
+                held = _PendingParams(plain, module)
+                module.__dict__["_parameters"] = held
+            held.needs[self] = need
+            self.held.append(held)
 
-    def _hook_module(self, module: torch.nn.Module) -> None:
-        if module in self.modules:
-            return
-        self.modules.add(module)
-        me = weakref.ref(self)
+    def _watch_writes(self, queue: LaneQueue, params: list, params_of_items: list) -> None:
+        """A write into a param while the collectives carrying it are in flight (a script
+        that writes params it holds, between step and forward, without wait_for_params)
+        is seen by the param's version counter: it moves between this exchange's own ops
+        on the param (each op's own writes are noted after it)."""
+        versions = [p._version for p in params]
 
-        def wait(*args, **kwargs):
-            gather = me()
-            if gather is not None:
-                gather.wait_all()
+        def watch(k: int, done: bool) -> None:
+            for pid in params_of_items[k]:
+                v = params[pid]._version
+                if done:
+                    versions[pid] = v
+                elif v != versions[pid] and self.written is None:
+                    self.written = pid
 
-        module.register_state_dict_pre_hook(wait)
-        module.register_load_state_dict_pre_hook(wait)
+        queue.watch = watch
+
+    def write_error(self) -> RuntimeError | None:
+        """(at a step, before its agreement: raised on every rank) A param written while
+        its exchange was in flight, on this rank; then forgotten."""
+        pid, self.written = self.written, None
+        if pid is None:
+            return None
+        zero = self._zero()
+        p = zero.hook_seam.params[pid] if zero is not None else None
+        shape = tuple(p.shape) if p is not None else "?"
+        return RuntimeError(
+            f"zero_ext: param {pid} of the optimizer (shape {shape}) was written while the "
+            "last step's exchange of it was in flight (overlap_param_gather=True): the "
+            "exchange landed on part of the write, so the params differ between ranks. Call "
+            "opt.wait_for_params() on every rank before writing params held outside the "
+            "module between step() and the next forward (a write through the module, "
+            "`model.layer.weight`, waits by itself)")
 
     def _wait_through(self, k: int, by_forward: bool = False) -> None:
         queue = self.queue
@@ -565,6 +761,9 @@ class ParamGather:
         if zero is not None:
             zero.last_step_timings["param_wait"] = self.waited
         self.queue = None
+        for held in self.held:
+            held.release(self)
+        self.held = []
         _IN_FLIGHT.discard(self)
         if self.recorded is None:
             _deactivate(self)

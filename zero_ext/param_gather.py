@@ -20,17 +20,21 @@ the next forward instead of adding to the step.
   this only (a rank whose main thread waits in another collective, such as DDP's buffer
   broadcast at the start of its forward, still completes the exchange that another rank
   waits for: rank 0 saving ``model.state_dict()`` after the step, say).
-- Nothing stale is read through torch's or zero_ext's paths: a module's forward (train or
-  eval, under ``no_sync`` too) waits for its params, ``model.state_dict()`` and
-  ``model.load_state_dict()`` of a module that holds them wait (hooks registered on the
-  modules seen in the forward), and every method of the optimizer that reads or writes
-  params or state waits first (step, clip_grad_norm_, state_dict, load_state_dict,
+- Nothing stale is read through a module: while the exchange is in flight, every module
+  holding its params has a `_PendingParams` in place of its ``_parameters``, and any read or
+  write of a value there waits for that module's collectives first (a module's forward,
+  state_dict, load_state_dict, parameters(), Module._apply's casts, pickling, deepcopy,
+  DDP's constructor and its final sync after a Join); the module gets its own dict back
+  then, and nothing of zero_ext's stays on it. Every method of the optimizer that reads or
+  writes params or state waits first (step, clip_grad_norm_, state_dict, load_state_dict,
   consolidate_state_dict, add_param_group, checkpoint.save/load, Join), as do the DDP comm
-  hooks before their first collective. ``zero_grad()`` does not wait: it touches no param,
-  and it runs between step and forward in nearly every training loop.
-- What no hook can see, the script's own reads or writes of the params between step and
-  forward (an EMA over ``model.parameters()``, logging a weight, ``p.data.copy_(...)``,
-  ``copy.deepcopy(model)``), must call ``opt.wait_for_params()`` first, on every rank.
+  hooks before their first collective. ``zero_grad()`` (the optimizer's, and torch's
+  Module.zero_grad) does not wait: it touches no param value, and it runs between step and
+  forward in nearly every training loop.
+- What no module sees, the script's reads or writes of params it holds itself (a list
+  taken before the step, another optimizer's param_groups), must follow
+  ``opt.wait_for_params()``, on every rank. A write there while the collectives carrying the
+  param are in flight moves its version counter: the next step raises on every rank.
 """
 from __future__ import annotations
 

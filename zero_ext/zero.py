@@ -655,9 +655,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def wait_for_params(self) -> None:
         """With ``overlap_param_gather=True``: return once every owner's update of the last
         step has reached this rank's params (nothing to do otherwise). Call it, on every
-        rank, before the script itself reads or writes params between ``step()`` and the
-        next forward (an EMA over ``model.parameters()``, logging a weight, copying weights
-        in); torch's and zero_ext's own paths wait by themselves."""
+        rank, before the script reads or writes, between ``step()`` and the next forward,
+        params it holds itself (a list of params taken earlier); whatever goes through the
+        model (its forward, ``model.parameters()``, state_dict, casts, pickling, DDP) and
+        zero_ext's own paths wait by themselves."""
         if self._param_gather is not None:
             self._param_gather.wait_all()
 

@@ -518,6 +518,9 @@ class ParamGather:
         if self.positions is None and self.recorded is None:
             self.recorded, self._seen, self._read_early = [], set(), set()
             self.ids = {id(p) for p in self._zero().hook_seam.params}
+            # (searched again: add_param_group may have brought params of modules that
+            # held none of the optimizer's before)
+            self._scanned = weakref.WeakSet()
             _RECORDING.add(self)
             _activate(self)
 
@@ -639,9 +642,11 @@ class ParamGather:
     def before_forward(self, module: torch.nn.Module) -> None:
         if self.recorded is not None:
             for p in _plain(module).values():
-                if p is not None and id(p) in self.ids and id(p) not in self._seen:
-                    self._seen.add(id(p))
-                    self.recorded.append(id(p))
+                if p is not None and id(p) in self.ids:
+                    self.modules.add(module)  # (it claims its params: it waits for them)
+                    if id(p) not in self._seen:
+                        self._seen.add(id(p))
+                        self.recorded.append(id(p))
             # every module below the outermost one called that holds the params waits from
             # then on, also one whose forward never runs (read by its parent: F.linear(x,
             # self.head.weight)), for whatever reads its params (_PendingParams)

@@ -349,3 +349,23 @@ def _added_group(rank, world, cfg):
 @pytest.mark.parametrize("sharding,form", [("flat", "auto"), ("even", "nccl")])
 def test_params_of_a_group_added_later_are_waited_for(sharding, form):
     run_world(_added_group, 2, dict(sharding=sharding, form=form))
+
+
+def _own_writes(rank, world, cfg):
+    """The exchange's own writes into the params (all-gathers in place, whose wait moves the
+    version counter; staged copies; broadcasts) are not taken for another hand's: training
+    with reads through the model only never raises."""
+    from zero_ext import sync
+
+    sync.DIRECT_GATHER_BYTES = 64  # (every param whose chunks are in rank order: in place)
+    sync.EVEN_EXCHANGE = "gather"
+    (ref, o_ref), (cand, opt) = _setup(rank, world, cfg)
+    _steps(rank, (ref, o_ref), (cand, opt), 0, 6)
+    opt.wait_for_params()
+    _close(cand.module, ref.module, "at the end")
+    return True
+
+
+@pytest.mark.parametrize("world,form", [(2, "auto"), (3, "nccl")])
+def test_the_exchange_own_writes_raise_nothing(world, form):
+    run_world(_own_writes, world, dict(sharding="even", form=form))

@@ -487,11 +487,10 @@ class ParamGather:
         self._zero = weakref.ref(zero)
         self.queue: LaneQueue | None = None
         self.threaded = False         # the worker thread drives `queue` (gloo)
-        self.last_item: dict[int, int] = {}  # id(param) -> the last item carrying it
         self.order_end = -1           # the item of the last param the forward uses
         self.positions: dict[int, int] | None = None  # param index -> first use (agreed)
         self.unclaimed: set = set()   # params the forward reads outside module hooks
-        self.first_end = -1           # the last item carrying such params
+        self.first_end = -1           # the last item carrying such params held by no module
         self.recorded: list | None = None  # id(param) in first-use order, while recording
         self._seen: set = set()
         self._read_early: set = set()  # read as an attribute before its module's forward
@@ -500,6 +499,7 @@ class ParamGather:
         self._scanned: "weakref.WeakSet" = weakref.WeakSet()  # their trees searched
         self.held: list = []          # their _PendingParams while the exchange is in flight
         self.written: int | None = None  # a param written by another hand meanwhile
+        self._plan: tuple | None = None  # the waits of the current exchange plan
         self.lanes: list | None = None  # gloo: the exchange's own groups
         self.lane_count = 1           # lanes for all-gathers (agreed: alike on every rank)
         self.gathers = False          # (gloo) the last exchange was of all-gathers
@@ -521,6 +521,7 @@ class ParamGather:
             # (searched again: add_param_group may have brought params of modules that
             # held none of the optimizer's before)
             self._scanned = weakref.WeakSet()
+            self._plan = None
             _RECORDING.add(self)
             _activate(self)
 
@@ -534,6 +535,7 @@ class ParamGather:
         """(add_param_group, on every rank) The next step exchanges as without the option
         and the forward after it records the order again, the new params included."""
         self.positions, self.unclaimed, self.recorded = None, set(), None
+        self._plan = None
         _RECORDING.discard(self)
         if self.queue is None:  # (a recording under way stops too)
             _deactivate(self)
@@ -568,6 +570,7 @@ class ParamGather:
         unclaimed, claimed = mine
         self.unclaimed = set(unclaimed)
         self.positions = {pid: k for k, pid in enumerate(unclaimed + claimed)}
+        self._plan = None
 
     def transport(self, exchanger, items: int, gathers: bool) -> tuple[list, bool]:
         """(the groups the exchange travels on, whether at most one op per group may be in
@@ -617,20 +620,17 @@ class ParamGather:
         if queue.size == 0:  # (nothing to exchange: no param stepped)
             self._finished()
             return
-        self.ids = {id(p) for p in zero.hook_seam.params}
         params = zero.hook_seam.params
-        self.last_item = {}
-        for k, pids in enumerate(params_of_items):
-            for pid in pids:
-                self.last_item[id(params[pid])] = k
-        used = [self.last_item[id(params[pid])] for pid in self.positions
-                if pid < len(params) and id(params[pid]) in self.last_item]
-        self.order_end = max(used) if used else len(params_of_items) - 1
-        self.first_end = max((k for k, pids in enumerate(params_of_items)
-                              if self.unclaimed.intersection(pids)), default=-1)
+        plan = self._plan
+        # (one per exchange plan: the plan's items are the same list while it holds; the
+        # order and the modules change only at a recording, which drops it)
+        if plan is None or plan[0] is not queue.items or plan[1] != len(params):
+            plan = self._plan = (queue.items, len(params),
+                                 *self._plan_waits(params, params_of_items))
+        _, _, self.order_end, self.first_end, needs = plan
         self.threaded = queue.bounded
         self._watch_writes(queue, params, params_of_items)
-        self._hold_modules(queue.size)
+        self._hold_modules(needs)
         guard_shutdown()
         _IN_FLIGHT.add(self)
         if self.threaded:
@@ -660,46 +660,76 @@ class ParamGather:
         if queue is None:
             return
         if queue.finished <= self.first_end:
-            # the forward's first module, whichever: params it reads outside module hooks
+            # the forward's first module, whichever: params no module it knows holds
             self._wait_through(self.first_end, by_forward=True)
         held = module.__dict__.get("_parameters")
         if type(held) is _PendingParams and self in held.needs:
             held.settle(by_forward=True)
 
-    def _hold_modules(self, size: int) -> None:
+    def _plan_waits(self, params: list, params_of_items: list) -> tuple:
+        """(order_end: the item of the last param the forward uses, first_end: the last
+        item carrying params no module hook claims, [(module, the last item carrying its
+        params)] for every module known to hold them)."""
+        last_item: dict[int, int] = {}  # id(param) -> the last item carrying it
+        for k, pids in enumerate(params_of_items):
+            for pid in pids:
+                last_item[id(params[pid])] = k
+        used = [last_item[id(params[pid])] for pid in self.positions
+                if pid < len(params) and id(params[pid]) in last_item]
+        order_end = max(used) if used else len(params_of_items) - 1
+        # params no module hook claims but a known module holds are waited for by whatever
+        # reads them through that module (`F.linear(x, self.head.weight)`); the forward's
+        # first module waits for the others (held by no module it knows)
+        held = {id(p) for module in list(self.modules) for p in _plain(module).values()}
+        loose = {pid for pid in self.unclaimed if pid < len(params)
+                 and id(params[pid]) not in held}
+        first_end = max((k for k, pids in enumerate(params_of_items)
+                         if loose.intersection(pids)), default=-1)
+        needs = []
+        for module in list(self.modules):
+            need = max((last_item.get(id(p), -1) for p in _plain(module).values()
+                        if p is not None), default=-1)
+            if need >= 0:
+                # past its last param in the recorded order, the forward completes the
+                # rest too (params it does not use): no rank's exchange outlives its forward
+                needs.append([weakref.ref(module),
+                              len(params_of_items) - 1 if need >= order_end else need,
+                              None])  # (its _PendingParams, made once, filled at each step)
+        return order_end, first_end, needs
+
+    def _hold_modules(self, needs: list) -> None:
         """Every module known to hold the params gets a _PendingParams in place of its
         `_parameters` until the collectives carrying them have finished: whatever reads or
         writes them through the module waits for them first."""
-        for module in list(self.modules):
-            plain = _plain(module)
-            need = max((self.last_item.get(id(p), -1) for p in plain.values()
-                        if p is not None), default=-1)
-            if need < 0:
+        for entry in needs:
+            module = entry[0]()
+            if module is None:
                 continue
-            # past its last param in the recorded order, the forward completes the rest
-            # too (params it does not use): no rank's exchange outlives its forward
-            need = size - 1 if need >= self.order_end else need
             held = module.__dict__["_parameters"]
-            if type(held) is not _PendingParams:
-                held = _PendingParams(plain, module)
-                module.__dict__["_parameters"] = held
-            held.needs[self] = need
+            if type(held) is not _PendingParams:  # (else another optimizer's: joined)
+                mine = entry[2]
+                if mine is None or mine.plain is not held:
+                    mine = entry[2] = _PendingParams(held, module)
+                else:  # (the same dict as last time: its names as they are now)
+                    dict.clear(mine)
+                    dict.update(mine, held)
+                module.__dict__["_parameters"] = held = mine
+            held.needs[self] = entry[1]
             self.held.append(held)
 
     def _watch_writes(self, queue: LaneQueue, params: list, params_of_items: list) -> None:
         """A write into a param while the collectives carrying it are in flight (a script
         that writes params it holds, between step and forward, without wait_for_params)
-        is seen by the param's version counter: it moves between this exchange's own ops
-        on the param (each op's own writes are noted after it)."""
+        moves its version counter, which the exchange's own writes leave alone (they go
+        through `.data`: Replicas.sync): checked once each item has finished."""
         versions = [p._version for p in params]
 
-        def watch(k: int, done: bool) -> None:
-            for pid in params_of_items[k]:
-                v = params[pid]._version
-                if done:
-                    versions[pid] = v
-                elif v != versions[pid] and self.written is None:
-                    self.written = pid
+        def watch(k: int) -> None:
+            if self.written is None:
+                for pid in params_of_items[k]:
+                    if params[pid]._version != versions[pid]:
+                        self.written = pid
+                        return
 
         queue.watch = watch
 
@@ -722,6 +752,10 @@ class ParamGather:
 
     def _wait_through(self, k: int, by_forward: bool = False) -> None:
         queue = self.queue
+        if queue.finished > k and not queue.done:  # (arrived: no wait, no lock)
+            if self.first_wait is None:
+                self.first_wait, self.first_by_forward = 0.0, by_forward
+            return
         t = time.perf_counter()
         if self.threaded:
             queue.wait_finished(k)

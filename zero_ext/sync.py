@@ -298,10 +298,9 @@ class LaneQueue:
         self.inflight: dict = {}
         self.error: BaseException | None = None
         self.cond = threading.Condition()
-        # watch(i, done): called before (done False) and after (True) item i is issued and
-        # before and after it is finished, on the thread that drives the queue (the
-        # exchange left in flight checks there that nothing else wrote its params)
-        self.watch: Callable[[int, bool], None] | None = None
+        # watch(i): called once item i has finished, on the thread that drives the queue
+        # (the exchange left in flight checks there that nothing else wrote its params)
+        self.watch: Callable[[int], None] | None = None
 
     @property
     def size(self) -> int:
@@ -320,11 +319,7 @@ class LaneQueue:
                 break
             i = self.issued
             slot = i % lanes if self.bounded else i
-            if self.watch is not None:
-                self.watch(i, False)
             self.inflight[i] = self.issue_fn(self.items[i], self.lanes[i % lanes], slot)
-            if self.watch is not None:
-                self.watch(i, True)
             self.issued += 1
 
     def complete_through(self, k: int) -> None:
@@ -338,11 +333,9 @@ class LaneQueue:
                 i = self.finished
                 work, state = self.inflight[i]  # (its staging held until it has finished)
                 work.wait()
-                if self.watch is not None:
-                    self.watch(i, False)
                 self.finish_fn(self.items[i], state)
                 if self.watch is not None:
-                    self.watch(i, True)
+                    self.watch(i)
                 del self.inflight[i]
                 with self.cond:
                     self.finished += 1

@@ -490,7 +490,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         hooked, hook_error, closure = self.hook_seam.check_step(closure, found_inf is not None)
         inf_error = closure_error or inf_error or hook_error or written
         if (self._replicas.overlapped or found_inf is not None or hooked or ran_closure
-                or gather is not None):
+                or (gather is not None and self.world_size > 1)):
             # Buckets sent from inside the local step (overlapped) must be laid out alike
             # before anything is stepped; GradScaler's verdict, a hook's verdict on the
             # grads and a write into params in flight (overlap_param_gather) must be known

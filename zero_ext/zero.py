@@ -453,10 +453,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._overlap_with_ddp:  # the DDP comm hook has stepped (torch returns None)
             return self.hook_seam.user_step(closure)
         self.wait_for_params()  # (the last step's exchange, left in flight)
-        gather = self._param_gather
-        # a param written by the script while that exchange was in flight: raised below,
-        # on every rank, before anything is stepped
-        written = gather.write_error() if gather is not None else None
         Join.notify_join_context(self)
         # clipped grads that survived a step of another optimizer still count as clipped
         self._clip = grad_norm.with_carried(self._clip, [p.grad for p in self._all_params])
@@ -488,13 +484,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # grads left by reduce_scatter_hook and changed since: an error on every rank (and
         # a closure whose backward may run the hook is checked after it ran)
         hooked, hook_error, closure = self.hook_seam.check_step(closure, found_inf is not None)
-        inf_error = closure_error or inf_error or hook_error or written
-        if (self._replicas.overlapped or found_inf is not None or hooked or ran_closure
-                or (gather is not None and self.world_size > 1)):
+        inf_error = closure_error or inf_error or hook_error
+        if self._replicas.overlapped or found_inf is not None or hooked or ran_closure:
             # Buckets sent from inside the local step (overlapped) must be laid out alike
-            # before anything is stepped; GradScaler's verdict, a hook's verdict on the
-            # grads and a write into params in flight (overlap_param_gather) must be known
-            # before anything is stepped: agree first.
+            # before anything is stepped; GradScaler's verdict and a hook's verdict on the
+            # grads must be known before anything is stepped: agree first. (A param the
+            # script wrote while the last exchange was in flight, overlap_param_gather, is
+            # raised here too; with no agreement here, by the one after the local step.)
+            if self._param_gather is not None:
+                inf_error = inf_error or self._param_gather.write_error()
             verdicts = None if found_inf is None or self._join_stepping else \
                 amp.scaler_verdicts(self)
             unreachable = int(found_inf is not None and not self._join_stepping

@@ -402,46 +402,78 @@ def guard_shutdown() -> None:
       its peers' collectives need it to the end. A script that ends with rank 0 alone
       saving `model.state_dict()` (which waits) while the other ranks call
       destroy_process_group and exit gave rank 0 "Connection closed by peer" instead of
-      the params. So torch's destroy_process_group, and the interpreter's exit, wait for
-      every exchange in flight first.
+      the params. So torch's destroy_process_group, and the interpreter's exit (atexit),
+      wait for every exchange in flight first.
     - zero_ext's extra groups are released with the world (_release_groups).
 
-    The function object itself is changed, not the module attribute: a script that imported
-    it before (nanoGPT: `from torch.distributed import destroy_process_group` at the top)
-    holds that same object. Its code becomes a call of the waiting version, which runs a
-    copy of torch's own function afterwards."""
+    Why torch's function object itself is changed (its `__code__`), a torch internal: torch
+    offers no hook that runs before a process group is destroyed (ProcessGroup's
+    on-completion hooks, which destroy_process_group waits for, are NCCL's only and cover
+    works already issued on the group being destroyed; an atexit handler runs after the
+    script's own destroy_process_group), and a changed module attribute misses a script
+    that imported the function before zero_ext was (nanoGPT: `from torch.distributed import
+    destroy_process_group` at the top), which holds that same object. Its code becomes a
+    call of the waiting version, which runs a copy of torch's own function afterwards. If
+    torch's function is not a plain function (a decorator's closure, another library's
+    wrapper), the module attributes are wrapped instead, and a reference taken earlier does
+    not wait. tests/test_shutdown_and_amp_internals.py checks, on the installed torch, that
+    the plain form holds and that both forms wait."""
     global _SHUTDOWN_GUARDED
     if _SHUTDOWN_GUARDED:
         return
     _SHUTDOWN_GUARDED = True
     atexit.register(_wait_at_exit)
-    fn = dist.distributed_c10d.destroy_process_group
+    c10d = dist.distributed_c10d
+    fn = c10d.destroy_process_group
+    if getattr(fn, "zero_ext_waits_first", False):
+        return
     if (not isinstance(fn, types.FunctionType) or fn.__closure__
             or _WAITING_DESTROY in fn.__globals__):
-        return  # (not torch's plain function: someone else's; left as it is)
+        _wrap_destroy_attributes(fn)
+        return
     original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__)
     original.__kwdefaults__ = fn.__kwdefaults__
     original.__qualname__, original.__doc__ = fn.__qualname__, fn.__doc__
     original.__annotations__ = dict(fn.__annotations__)
+    fn.__globals__[_WAITING_DESTROY] = _waiting(original)
+    fn.__code__ = _calls_waiting_destroy.__code__
+    fn.__defaults__ = fn.__kwdefaults__ = None
+    fn.__wrapped__ = original  # (inspect.signature shows torch's)
+    fn.zero_ext_waits_first = True
 
+
+def _waiting(destroy):
+    """`destroy` (torch's destroy_process_group), after every exchange in flight."""
     def waits_first(*args, **kwargs):
         error = None
         try:
             wait_for_all_in_flight()
         except Exception as exc:  # noqa: BLE001 - raised once the groups are destroyed
             error = exc
-        out = original(*args, **kwargs)
+        out = destroy(*args, **kwargs)
         if not dist.is_initialized():  # the whole world went: its groups with it
             _release_groups()
         if error is not None:  # the params it carried are not all there: say so
             raise error
         return out
 
-    fn.__globals__[_WAITING_DESTROY] = waits_first
-    fn.__code__ = _calls_waiting_destroy.__code__
-    fn.__defaults__ = fn.__kwdefaults__ = None
-    fn.__wrapped__ = original  # (inspect.signature shows torch's)
-    fn.zero_ext_waits_first = True
+    return waits_first
+
+
+def _wrap_destroy_attributes(fn) -> None:
+    """(torch's destroy_process_group is not a plain function) The module attributes
+    through which scripts call it wait first."""
+    import functools
+
+    waiting = functools.wraps(fn)(_waiting(fn))
+    waiting.zero_ext_waits_first = True
+    for module in (dist, dist.distributed_c10d):
+        if getattr(module, "destroy_process_group", None) is fn:
+            module.destroy_process_group = waiting
+    logging.getLogger("zero_ext").info(
+        "zero_ext: torch.distributed.destroy_process_group is not a plain function here; "
+        "its module attributes wait for the params' exchange in flight, a reference taken "
+        "before does not (call opt.wait_for_params() before it)")
 
 
 _WAITING_DESTROY = "_zero_ext_destroy_process_group_waiting_first"

@@ -307,7 +307,10 @@ _ZERO_GRAD_DEPTH = 8  # frames from items() up to zero_grad: _named_members' lam
 
 def _grads_only() -> bool:
     """Whether torch's Module.zero_grad (grads only) asked for the params."""
-    frame = sys._getframe(2)
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # (called with no Python caller: from C)
+        return False
     for _ in range(_ZERO_GRAD_DEPTH):
         if frame is None:
             return False

@@ -23,7 +23,11 @@ bring:
   Python scalars: every rank must raise);
 - grad accumulation under ``no_sync``, clipping (zero_ext's, or torch's where the hook must
   either give DDP's result or raise on every rank), NCCL's transport and in-place all-gather
-  forced on gloo.
+  forced on gloo;
+- ``overlap_param_gather`` (the exchange held back 20 ms in its worker) and, right after a
+  step, torch's paths over the model outside a forward: pickling and ``torch.save`` of the
+  model, ``copy.deepcopy``, ``model.parameters()``, a cast to float64 and back, new DDP
+  models; and uneven inputs at the end inside ``Join([ddp, opt])``.
 
 The reference runs the same script with DDP's default all-reduce and the torch optimizer
 (for ``overlap_with_ddp``, torch's warm-up: no update in the first 2 iterations, 3 with
@@ -137,8 +141,8 @@ class Side:
         ddp_group, shard_group = groups
         torch.manual_seed(spec["seed"])
         self.enc, self.head = Encoder(spec), Head()
-        kw = dict(process_group=ddp_group, bucket_cap_mb=BUCKET_MB,
-                  static_graph=spec["static_graph"])
+        self.ddp_kw = kw = dict(process_group=ddp_group, bucket_cap_mb=BUCKET_MB,
+                                static_graph=spec["static_graph"])
         if spec["models"] == "one":
             self.ddps = [DDP(Whole(self.enc, self.head), **kw)]
         else:
@@ -192,6 +196,18 @@ class Side:
             (d,) = self.ddps
             d.register_comm_hook(d.process_group, hook_with_zero_step(allreduce_hook, d, self.opt))
 
+    def rewrap(self):
+        """New DDP models over the same modules (a new phase of the script), the hooks
+        registered again."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.ddps = [DDP(d.module, **self.ddp_kw) for d in self.ddps]
+        if self.candidate:
+            self._register_hooks()
+
+    def modules(self):
+        return [d.module for d in self.ddps]
+
     def _inject_inf(self, grad):
         if self.inject is None:
             return grad
@@ -201,6 +217,10 @@ class Side:
 
     def params(self):
         return [p for _, p in self.enc.named_parameters()] + list(self.head.parameters())
+
+    def params_named(self):
+        return ([(f"enc.{n}", p) for n, p in self.enc.named_parameters()]
+                + [(f"head.{n}", p) for n, p in self.head.named_parameters()])
 
     # ---------------------------------------------------------------- one iteration
     def forward_backward(self, x_micro, between=None):
@@ -240,6 +260,46 @@ class Side:
 
 def _torch_clip(params, max_norm=0.05):
     return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+
+
+# What a script may do with the model right after a step (the candidate's exchange still in
+# flight with overlap_param_gather): each reads, copies or replaces the params outside a
+# forward (issue 39). "cast" goes to float64 and back, then wraps the model in new DDPs
+# (DDP's reducer does not follow a change of its params' memory).
+AFTER_STEP = ("pickle", "torch.save", "deepcopy", "parameters", "cast", "rewrap")
+
+
+def _after_step(side: Side, what: str | None):
+    """Apply `what` to the side's model; returns the params it read, or None."""
+    if what is None:
+        return None
+    import copy
+    import io
+    import pickle
+
+    mods = side.modules()
+    if what == "pickle":
+        blob = pickle.dumps(mods)
+        assert b"zero_ext" not in blob, "the pickled model refers to zero_ext"
+        mods = pickle.loads(blob)
+    elif what == "torch.save":
+        buf = io.BytesIO()
+        torch.save(mods, buf)
+        mods = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    elif what == "deepcopy":
+        mods = copy.deepcopy(mods)
+    elif what == "cast":
+        for m in mods:
+            m.double()
+        read = [p.detach().clone() for m in mods for p in m.parameters()]
+        for m in mods:
+            m.float()
+        side.rewrap()
+        return read
+    elif what == "rewrap":
+        side.rewrap()
+        return None
+    return [p.detach().clone() for m in mods for p in m.parameters()]
 
 
 def _skew(value, kind, changed: bool):
@@ -335,9 +395,14 @@ def _switches(spec):
     from zero_ext import sync
     from zero_ext.reduce_scatter import plan, transport
 
+    from zero_ext import param_gather
+
     saved = (transport.TRANSPORT, plan.SEGMENT_BYTES, sync.DIRECT_GATHER_BYTES,
-             sync.EVEN_EXCHANGE)
+             sync.EVEN_EXCHANGE, param_gather.WORKER_DELAY_S)
     try:
+        # (overlap_param_gather: the exchange held back, so that a path that reads the
+        # params without waiting reads the old values every time, not by chance)
+        param_gather.WORKER_DELAY_S = 0.02 if spec["gather"] else 0.0
         if spec["transport"]:
             transport.TRANSPORT = spec["transport"]
         if spec["segment_bytes"]:
@@ -348,7 +413,7 @@ def _switches(spec):
         yield
     finally:
         (transport.TRANSPORT, plan.SEGMENT_BYTES, sync.DIRECT_GATHER_BYTES,
-         sync.EVEN_EXCHANGE) = saved
+         sync.EVEN_EXCHANGE, param_gather.WORKER_DELAY_S) = saved
 
 
 def _expect(spec, ev, rank) -> str:
@@ -398,6 +463,8 @@ def run_script(spec, ctx: Ctx):
                 raised = f"{type(exc).__name__}: {exc}"
                 # (the grads it read before raising: the reference skips this iteration)
                 cand.grad_ema, cand.grad_norms = logged
+            # right after the step, the exchange still in flight (overlap_param_gather)
+            cand_read = _after_step(cand, ev["after"]) if raised is None else None
             outcomes.append("ok" if raised is None else "raised")
             where = f"iteration {it} ({ev})"
             if raised is None and expect == "raise":
@@ -431,6 +498,11 @@ def run_script(spec, ctx: Ctx):
                 _read_grads(ref, ev)
                 if ref.plain is not None:
                     ref.plain.step()
+            ref_read = _after_step(ref, ev["after"])
+            for k, (a, b) in enumerate(zip(ref_read or [], cand_read or [])):
+                torch.testing.assert_close(
+                    b, a, **TOL, msg=lambda m, k=k: f"{where}, param {k} read by "
+                                                    f"{ev['after']} after the step: {m}")
             # (the candidate's params read through model.state_dict(), which waits for an
             # exchange left in flight, as every torch path that reads them does)
             got = {**{f"enc.{k}": v for k, v in cand.enc.state_dict().items()},
@@ -455,8 +527,33 @@ def run_script(spec, ctx: Ctx):
                                      f"with DDP's all-reduce {ref.scaler.get_scale()}")
             cand.zero_grad()
             ref.zero_grad()
+        if spec["join"]:
+            _join_tail(ref, cand, spec, ctx)
         cand.opt.wait_for_params()
         return {"outcomes": outcomes, "final": [p.detach().clone() for p in cand.params()]}
+
+
+def _join_tail(ref: Side, cand: Side, spec, ctx: Ctx) -> None:
+    """Uneven inputs at the end of the script: rank r runs 1 + r more batches inside a Join
+    (torch's documented pattern, zero_grad(set_to_none=False)), of zero loss, so that every
+    param takes one step with zero grads per iteration of the longest rank, whoever steps it:
+    the reference's last joiner (DDP + the torch optimizer: the joined ranks' optimizers
+    stand still, and DDP's final sync broadcasts the last joiner's params) and each owner in
+    the candidate (its joined ranks step their shards from the Join hook). The candidate's
+    last exchange must have landed before DDP's final sync reads the params."""
+    from torch.distributed.algorithms.join import Join
+
+    n = len(spec["iters"])
+    for side in (ref, cand):
+        (ddp,) = side.ddps
+        with Join([ddp] + ([side.opt] if side.candidate else [])):
+            for k in range(1 + ctx.rank):
+                (ddp(_batch(spec, ctx.rank, n + k, 0)) * 0).sum().backward()
+                side.opt.step()
+                ddp.zero_grad(set_to_none=False)
+    for (name, a), b in zip(ref.params_named(), [p for _, p in cand.params_named()]):
+        torch.testing.assert_close(b.detach(), a.detach(), **TOL,
+                                   msg=lambda m, name=name: f"after the Join, {name}: {m}")
 
 
 def check_outcome(spec, outs):
@@ -506,7 +603,7 @@ def replay(spec) -> None:
 
 def _event(**kw):
     ev = {"accum": 1, "clip": None, "inf": None, "closure": None, "hp_skew": None,
-          "add_group": False, "read_grads": False}
+          "add_group": False, "read_grads": False, "after": None}
     ev.update(kw)
     return ev
 
@@ -517,7 +614,7 @@ def script(world, hook, sharding, iters=4, **kw):
             "cls": "adamw", "blocks": 3, "ckpt": None, "static_graph": False,
             "complex": False, "models": "one", "extra": None, "layout": "job",
             "state_none": False, "scaler": False, "set_to_none": True, "transport": None,
-            "segment_bytes": None, "direct_gather": False, "gather": False,
+            "segment_bytes": None, "direct_gather": False, "gather": False, "join": False,
             "iters": [_event() for _ in range(iters)]}
     events = kw.pop("events", {})
     spec.update(kw)
@@ -579,9 +676,19 @@ def draw_script(rnd: random.Random) -> dict:
             ev["clip"], ev["read_grads"] = None, False
             raised = ev["closure"] != "ok"
         spec["iters"][it] = ev
+    # torch's paths over the model right after a step (pickling, copies, casts, a new DDP),
+    # the exchange left in flight when spec["gather"]; a new DDP not under overlap_with_ddp
+    # (its hook is bound to the DDP model it was made for)
+    paths = [a for a in AFTER_STEP if hook != "overlap" or a not in ("cast", "rewrap")]
+    for ev in spec["iters"]:
+        if ev["closure"] is None and rnd.random() < (0.35 if spec["gather"] else 0.1):
+            ev["after"] = rnd.choice(paths)
     if not scaler and layout != "hybrid" and rnd.random() < 0.2:  # (last: nothing after it)
         spec["iters"][-1] = _event(hp_skew=(rnd.choice(["tensor", "numpy32", "numpy64",
                                                           "float"]), rnd.randrange(world)))
+    elif (hook == "none" and layout == "job" and models == "one" and not scaler
+          and extra != "plain" and not static and rnd.random() < 0.5):
+        spec["join"] = True  # (uneven inputs at the end, inside a Join)
     return spec
 
 
@@ -654,6 +761,17 @@ def targeted_scripts() -> list:
                       events={2: dict(add_group=True, closure="ok")}))
     out.append(script(2, "overlap", "flat", 5, gather=True, ckpt="nonreentrant"))
     out.append(script(4, "rs", "even", 4, gather=True, layout="hybrid", complex=True))
+    # issue 39: torch's paths over the model right after a step, the exchange in flight
+    out.append(script(2, "none", "flat", 5, gather=True, events={
+        2: dict(after="pickle"), 3: dict(after="cast"), 4: dict(after="deepcopy")}))
+    out.append(script(3, "rs", "even", 5, gather=True, events={
+        2: dict(after="rewrap"), 3: dict(after="torch.save"), 4: dict(after="parameters")}))
+    out.append(script(2, "rs", "param", 4, gather=True, scaler=True, events={
+        2: dict(after="cast", inf=(1, 37)), 3: dict(after="rewrap")}))
+    out.append(script(2, "overlap", "even", 5, gather=True, events={
+        3: dict(after="deepcopy"), 4: dict(after="pickle")}))
+    for w, sharding in ((2, "flat"), (3, "even")):  # uneven inputs inside a Join
+        out.append(script(w, "none", sharding, 3, gather=True, join=True, set_to_none=False))
     # the overlap hooks with checkpointing and a closure
     out.append(script(2, "overlap", "flat", 5, ckpt="reentrant",
                       events={4: dict(closure="ok")}))
@@ -702,6 +820,9 @@ def test_harness_draws_every_feature():
         assert any(ev["read_grads"] for s, ev in evs if s["hook"] == hook), hook
         assert any(s["layout"] == "subgroups" for s in mine), hook
         assert any(s["gather"] for s in mine), hook  # overlap_param_gather
+        afters = {ev["after"] for s, ev in evs if s["hook"] == hook and s["gather"]}
+        assert afters == set(AFTER_STEP) - ({"cast", "rewrap"} if hook == "overlap"
+                                             else set()) | {None}, (hook, afters)
     for hook in ("none", "rs"):  # (overlap_with_ddp refuses GradScaler: torch's rule)
         mine = [(s, ev) for s, ev in evs if s["hook"] == hook and s["scaler"]]
         assert {ev["inf"][0] for s, ev in mine if ev["inf"]} == {0, 1, 2, 3}, hook
@@ -715,5 +836,8 @@ def test_harness_draws_every_feature():
     assert {s["transport"] for s in rs} == {None, "reduce_scatter", "all_to_all"}
     assert any(ev["clip"] == "between" for s, ev in evs if s["hook"] == "rs")
     assert any(s["direct_gather"] for s in specs)
+    assert {s["sharding"] for s in specs if s["join"]} == set(SHARDINGS)
+    assert any(s["join"] and s["gather"] for s in specs)
+    assert {s["world"] for s in specs if s["join"]} == {2, 3}
     # the inf lands in elements of every owner: any of the weight's elements, on any rank
     assert len({ev["inf"][1] // 64 for s, ev in evs if ev["inf"]}) == 4

@@ -30,6 +30,14 @@ def load_native():
     return _load()
 
 
+_LAZY = ("ZeroRedundancyOptimizer", "FusedAdamW", "hybrid_groups")
+_SUBMODULES = ("checkpoint", "hybrid", "integrations", "ddp_zero_hook")
+
+
+def __dir__():  # the lazily loaded names too (tab completion, dir(zero_ext))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
+
+
 def __getattr__(name):  # lazy, so `import zero_ext.kernels` does not pull in the optimizer
     if name == "ZeroRedundancyOptimizer":
         from .zero import ZeroRedundancyOptimizer
@@ -44,7 +52,7 @@ def __getattr__(name):  # lazy, so `import zero_ext.kernels` does not pull in th
 
         return hybrid_groups
     # submodules as attributes: zero_ext.checkpoint.save(...), zero_ext.ddp_zero_hook...
-    if name in ("checkpoint", "hybrid", "integrations", "ddp_zero_hook"):
+    if name in _SUBMODULES:
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -14,6 +14,18 @@ scales. (FSDP's ``ShardedGradScaler`` all-reduces the verdict for the same reaso
 So the step writes the agreed verdict back into the scaler that called it: GradScaler
 keeps the per-device verdicts of each optimizer in the frame of its own ``step()``, which
 called this optimizer's step; `scaler_verdicts` finds them there.
+
+Why a torch internal (the frame's locals): torch's documented protocol
+(``_step_supports_amp_scaling``) hands the optimizer ``found_inf`` as a fresh sum of the
+per-device verdicts, so writing into it reaches nothing that ``update()`` reads, and no
+documented way leads from the optimizer to its scaler (the older ``grad_scaler`` keyword is
+deprecated: GradScaler warns at every step and then leaves unscaling and the inf check to the
+optimizer). FSDP's ``ShardedGradScaler`` agrees the verdict itself, but only in
+``unscale_``, and a script would have to change its scaler. If torch changes GradScaler.step
+so that the verdicts are not found, nothing goes wrong silently: a step whose ranks saw
+different verdicts raises on every rank (`share_verdict`), and one where they agree needs
+nothing. tests/test_shutdown_and_amp_internals.py checks, on the installed torch, that the
+frame holds the very tensors ``update()`` reads.
 """
 from __future__ import annotations
 

@@ -20,23 +20,29 @@ the next forward instead of adding to the step.
   this only (a rank whose main thread waits in another collective, such as DDP's buffer
   broadcast at the start of its forward, still completes the exchange that another rank
   waits for: rank 0 saving ``model.state_dict()`` after the step, say).
-- Nothing stale is read through torch's or zero_ext's paths: a module's forward (train or
-  eval, under ``no_sync`` too) waits for its params, ``model.state_dict()`` and
-  ``model.load_state_dict()`` of a module that holds them wait (hooks registered on the
-  modules seen in the forward), and every method of the optimizer that reads or writes
-  params or state waits first (step, clip_grad_norm_, state_dict, load_state_dict,
+- Nothing stale is read through a module: while the exchange is in flight, every module
+  holding its params has a `_PendingParams` in place of its ``_parameters``, and any read or
+  write of a value there waits for that module's collectives first (a module's forward,
+  state_dict, load_state_dict, parameters(), Module._apply's casts, pickling, deepcopy,
+  DDP's constructor and its final sync after a Join); the module gets its own dict back
+  then, and nothing of zero_ext's stays on it. Every method of the optimizer that reads or
+  writes params or state waits first (step, clip_grad_norm_, state_dict, load_state_dict,
   consolidate_state_dict, add_param_group, checkpoint.save/load, Join), as do the DDP comm
-  hooks before their first collective. ``zero_grad()`` does not wait: it touches no param,
-  and it runs between step and forward in nearly every training loop.
-- What no hook can see, the script's own reads or writes of the params between step and
-  forward (an EMA over ``model.parameters()``, logging a weight, ``p.data.copy_(...)``,
-  ``copy.deepcopy(model)``), must call ``opt.wait_for_params()`` first, on every rank.
+  hooks before their first collective. ``zero_grad()`` (the optimizer's, and torch's
+  Module.zero_grad) does not wait: it touches no param value, and it runs between step and
+  forward in nearly every training loop.
+- What no module sees, the script's reads or writes of params it holds itself (a list
+  taken before the step, another optimizer's param_groups), must follow
+  ``opt.wait_for_params()``, on every rank. A write there while the collectives carrying the
+  param are in flight moves its version counter: the next step raises on every rank.
 """
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
 import os
+import sys
 import threading
 import time
 import types
@@ -154,6 +160,166 @@ class _AttributeReads:
 _READS = _AttributeReads()
 
 
+class _PendingParams(dict):
+    """A module's ``_parameters`` while an exchange in flight carries some of its params.
+
+    Whatever torch or a script does with a module's params outside its forward goes
+    through this dict: ``state_dict`` and ``load_state_dict``, ``parameters()`` and
+    ``named_parameters()`` (DDP's constructor and its final sync after a Join, a script's
+    EMA), ``Module._apply`` (``to``, ``half``, ``cpu``, ...), pickling (``torch.save(model)``)
+    and ``copy.deepcopy`` (through ``Module.__getstate__``), an attribute read
+    (``model.head.weight``) and a param assigned or deleted. So every read or write of a
+    value here first waits for the collectives carrying this module's params, then puts the
+    module's own dict back: from then on the module holds nothing of zero_ext's, and nothing
+    stays on it once the exchange has finished. It pickles and copies as a plain dict.
+    Names (``in``, ``len``, iteration over keys) need no wait.
+
+    ``items()`` and ``values()`` called by torch's ``Module.zero_grad`` do not wait: it reads
+    the grads only, and HF's Trainer calls it between the step and the next forward, where a
+    wait would remove the overlap. That caller is known by its code object on the stack (a
+    torch internal: if it changes, zero_grad waits, which is correct, only slower)."""
+
+    __slots__ = ("plain", "owner", "needs")
+
+    def __init__(self, plain: dict, module: torch.nn.Module):
+        super().__init__(plain)
+        self.plain = plain                 # the module's own dict, put back once waited
+        self.owner = weakref.ref(module)
+        self.needs: dict = {}              # ParamGather -> last item carrying these params
+
+    def settle(self, by_forward: bool = False) -> dict:
+        """Wait for this module's params (raising an exchange's failure, now and at every
+        later read); the module gets its own dict back, which is returned."""
+        while self.needs:
+            gather, k = next(iter(self.needs.items()))
+            if gather.queue is not None:
+                gather._wait_through(k, by_forward)
+            self.needs.pop(gather, None)
+        self._put_back()
+        return self.plain
+
+    def release(self, gather: "ParamGather") -> None:
+        """(gather's exchange has finished)"""
+        self.needs.pop(gather, None)
+        if not self.needs:
+            self._put_back()
+
+    def _put_back(self) -> None:
+        module = self.owner()
+        if module is not None and module.__dict__.get("_parameters") is self:
+            module.__dict__["_parameters"] = self.plain
+
+    # reads of values
+    def __getitem__(self, key):
+        return self.settle()[key]
+
+    def get(self, key, default=None):
+        return self.settle().get(key, default)
+
+    def items(self):
+        return (self.plain if self.needs and _grads_only() else self.settle()).items()
+
+    def values(self):
+        return (self.plain if self.needs and _grads_only() else self.settle()).values()
+
+    def copy(self):
+        return self.settle().copy()
+
+    __copy__ = copy
+
+    def __deepcopy__(self, memo):
+        out: dict = {}
+        memo[id(self)] = out
+        for key, value in self.settle().items():
+            out[copy.deepcopy(key, memo)] = copy.deepcopy(value, memo)
+        return out
+
+    def __reduce_ex__(self, protocol):
+        return dict, (), None, None, iter(self.settle().items())
+
+    def __reduce__(self):
+        return self.__reduce_ex__(2)
+
+    def __repr__(self):
+        return repr(self.settle())
+
+    def __eq__(self, other):
+        return self.settle() == other
+
+    def __ne__(self, other):
+        return self.settle() != other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __or__(self, other):
+        return self.settle() | other
+
+    def __ror__(self, other):
+        return other | self.settle()
+
+    # writes: into the module's own dict (and this one, for whoever still holds it)
+    def __setitem__(self, key, value):
+        self.settle()[key] = value
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key):
+        del self.settle()[key]
+        dict.__delitem__(self, key)
+
+    def pop(self, key, *default):
+        out = self.settle().pop(key, *default)
+        dict.pop(self, key, None)
+        return out
+
+    def popitem(self):
+        key, value = self.settle().popitem()
+        dict.pop(self, key, None)
+        return key, value
+
+    def setdefault(self, key, default=None):
+        out = self.settle().setdefault(key, default)
+        dict.setdefault(self, key, out)
+        return out
+
+    def update(self, *args, **kwargs):
+        self.settle().update(*args, **kwargs)
+        dict.clear(self)
+        dict.update(self, self.plain)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def clear(self):
+        self.settle().clear()
+        dict.clear(self)
+
+
+def _plain(module: torch.nn.Module) -> dict:
+    """A module's own `_parameters` (zero_ext's reads: no wait)."""
+    held = module.__dict__.get("_parameters", {})
+    return held.plain if type(held) is _PendingParams else held
+
+
+_ZERO_GRAD = torch.nn.Module.zero_grad.__code__
+_ZERO_GRAD_DEPTH = 8  # frames from items() up to zero_grad: _named_members' lambda, ...
+
+
+def _grads_only() -> bool:
+    """Whether torch's Module.zero_grad (grads only) asked for the params."""
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # (called with no Python caller: from C)
+        return False
+    for _ in range(_ZERO_GRAD_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_code is _ZERO_GRAD:
+            return True
+        frame = frame.f_back
+    return False
+
+
 _OWN_SALTS = 1 << 48  # far above any count torch's own group names reach
 
 
@@ -239,46 +405,78 @@ def guard_shutdown() -> None:
       its peers' collectives need it to the end. A script that ends with rank 0 alone
       saving `model.state_dict()` (which waits) while the other ranks call
       destroy_process_group and exit gave rank 0 "Connection closed by peer" instead of
-      the params. So torch's destroy_process_group, and the interpreter's exit, wait for
-      every exchange in flight first.
+      the params. So torch's destroy_process_group, and the interpreter's exit (atexit),
+      wait for every exchange in flight first.
     - zero_ext's extra groups are released with the world (_release_groups).
 
-    The function object itself is changed, not the module attribute: a script that imported
-    it before (nanoGPT: `from torch.distributed import destroy_process_group` at the top)
-    holds that same object. Its code becomes a call of the waiting version, which runs a
-    copy of torch's own function afterwards."""
+    Why torch's function object itself is changed (its `__code__`), a torch internal: torch
+    offers no hook that runs before a process group is destroyed (ProcessGroup's
+    on-completion hooks, which destroy_process_group waits for, are NCCL's only and cover
+    works already issued on the group being destroyed; an atexit handler runs after the
+    script's own destroy_process_group), and a changed module attribute misses a script
+    that imported the function before zero_ext was (nanoGPT: `from torch.distributed import
+    destroy_process_group` at the top), which holds that same object. Its code becomes a
+    call of the waiting version, which runs a copy of torch's own function afterwards. If
+    torch's function is not a plain function (a decorator's closure, another library's
+    wrapper), the module attributes are wrapped instead, and a reference taken earlier does
+    not wait. tests/test_shutdown_and_amp_internals.py checks, on the installed torch, that
+    the plain form holds and that both forms wait."""
     global _SHUTDOWN_GUARDED
     if _SHUTDOWN_GUARDED:
         return
     _SHUTDOWN_GUARDED = True
     atexit.register(_wait_at_exit)
-    fn = dist.distributed_c10d.destroy_process_group
+    c10d = dist.distributed_c10d
+    fn = c10d.destroy_process_group
+    if getattr(fn, "zero_ext_waits_first", False):
+        return
     if (not isinstance(fn, types.FunctionType) or fn.__closure__
             or _WAITING_DESTROY in fn.__globals__):
-        return  # (not torch's plain function: someone else's; left as it is)
+        _wrap_destroy_attributes(fn)
+        return
     original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__)
     original.__kwdefaults__ = fn.__kwdefaults__
     original.__qualname__, original.__doc__ = fn.__qualname__, fn.__doc__
     original.__annotations__ = dict(fn.__annotations__)
+    fn.__globals__[_WAITING_DESTROY] = _waiting(original)
+    fn.__code__ = _calls_waiting_destroy.__code__
+    fn.__defaults__ = fn.__kwdefaults__ = None
+    fn.__wrapped__ = original  # (inspect.signature shows torch's)
+    fn.zero_ext_waits_first = True
 
+
+def _waiting(destroy):
+    """`destroy` (torch's destroy_process_group), after every exchange in flight."""
     def waits_first(*args, **kwargs):
         error = None
         try:
             wait_for_all_in_flight()
         except Exception as exc:  # noqa: BLE001 - raised once the groups are destroyed
             error = exc
-        out = original(*args, **kwargs)
+        out = destroy(*args, **kwargs)
         if not dist.is_initialized():  # the whole world went: its groups with it
             _release_groups()
         if error is not None:  # the params it carried are not all there: say so
             raise error
         return out
 
-    fn.__globals__[_WAITING_DESTROY] = waits_first
-    fn.__code__ = _calls_waiting_destroy.__code__
-    fn.__defaults__ = fn.__kwdefaults__ = None
-    fn.__wrapped__ = original  # (inspect.signature shows torch's)
-    fn.zero_ext_waits_first = True
+    return waits_first
+
+
+def _wrap_destroy_attributes(fn) -> None:
+    """(torch's destroy_process_group is not a plain function) The module attributes
+    through which scripts call it wait first."""
+    import functools
+
+    waiting = functools.wraps(fn)(_waiting(fn))
+    waiting.zero_ext_waits_first = True
+    for module in (dist, dist.distributed_c10d):
+        if getattr(module, "destroy_process_group", None) is fn:
+            module.destroy_process_group = waiting
+    logging.getLogger("zero_ext").info(
+        "zero_ext: torch.distributed.destroy_process_group is not a plain function here; "
+        "its module attributes wait for the params' exchange in flight, a reference taken "
+        "before does not (call opt.wait_for_params() before it)")
 
 
 _WAITING_DESTROY = "_zero_ext_destroy_process_group_waiting_first"
@@ -324,17 +522,19 @@ class ParamGather:
         self._zero = weakref.ref(zero)
         self.queue: LaneQueue | None = None
         self.threaded = False         # the worker thread drives `queue` (gloo)
-        self.last_item: dict[int, int] = {}  # id(param) -> the last item carrying it
         self.order_end = -1           # the item of the last param the forward uses
         self.positions: dict[int, int] | None = None  # param index -> first use (agreed)
         self.unclaimed: set = set()   # params the forward reads outside module hooks
-        self.first_end = -1           # the last item carrying such params
+        self.first_end = -1           # the last item carrying such params held by no module
         self.recorded: list | None = None  # id(param) in first-use order, while recording
         self._seen: set = set()
         self._read_early: set = set()  # read as an attribute before its module's forward
         self.ids: set = set()         # id of every param of the optimizer
-        self.modules: "weakref.WeakSet" = weakref.WeakSet()  # hooks registered on them
+        self.modules: "weakref.WeakSet" = weakref.WeakSet()  # modules holding the params
         self._scanned: "weakref.WeakSet" = weakref.WeakSet()  # their trees searched
+        self.held: list = []          # their _PendingParams while the exchange is in flight
+        self.written: int | None = None  # a param written by another hand meanwhile
+        self._plan: tuple | None = None  # the waits of the current exchange plan
         self.lanes: list | None = None  # gloo: the exchange's own groups
         self.lane_count = 1           # lanes for all-gathers (agreed: alike on every rank)
         self.gathers = False          # (gloo) the last exchange was of all-gathers
@@ -353,6 +553,10 @@ class ParamGather:
         if self.positions is None and self.recorded is None:
             self.recorded, self._seen, self._read_early = [], set(), set()
             self.ids = {id(p) for p in self._zero().hook_seam.params}
+            # (searched again: add_param_group may have brought params of modules that
+            # held none of the optimizer's before)
+            self._scanned = weakref.WeakSet()
+            self._plan = None
             _RECORDING.add(self)
             _activate(self)
 
@@ -366,6 +570,7 @@ class ParamGather:
         """(add_param_group, on every rank) The next step exchanges as without the option
         and the forward after it records the order again, the new params included."""
         self.positions, self.unclaimed, self.recorded = None, set(), None
+        self._plan = None
         _RECORDING.discard(self)
         if self.queue is None:  # (a recording under way stops too)
             _deactivate(self)
@@ -400,6 +605,7 @@ class ParamGather:
         unclaimed, claimed = mine
         self.unclaimed = set(unclaimed)
         self.positions = {pid: k for k, pid in enumerate(unclaimed + claimed)}
+        self._plan = None
 
     def transport(self, exchanger, items: int, gathers: bool) -> tuple[list, bool]:
         """(the groups the exchange travels on, whether at most one op per group may be in
@@ -449,18 +655,17 @@ class ParamGather:
         if queue.size == 0:  # (nothing to exchange: no param stepped)
             self._finished()
             return
-        self.ids = {id(p) for p in zero.hook_seam.params}
         params = zero.hook_seam.params
-        self.last_item = {}
-        for k, pids in enumerate(params_of_items):
-            for pid in pids:
-                self.last_item[id(params[pid])] = k
-        used = [self.last_item[id(params[pid])] for pid in self.positions
-                if pid < len(params) and id(params[pid]) in self.last_item]
-        self.order_end = max(used) if used else len(params_of_items) - 1
-        self.first_end = max((k for k, pids in enumerate(params_of_items)
-                              if self.unclaimed.intersection(pids)), default=-1)
+        plan = self._plan
+        # (one per exchange plan: the plan's items are the same list while it holds; the
+        # order and the modules change only at a recording, which drops it)
+        if plan is None or plan[0] is not queue.items or plan[1] != len(params):
+            plan = self._plan = (queue.items, len(params),
+                                 *self._plan_waits(params, params_of_items))
+        _, _, self.order_end, self.first_end, needs = plan
         self.threaded = queue.bounded
+        self._watch_writes(queue, params, params_of_items)
+        self._hold_modules(needs)
         guard_shutdown()
         _IN_FLIGHT.add(self)
         if self.threaded:
@@ -470,53 +675,122 @@ class ParamGather:
         _activate(self)
 
     def before_forward(self, module: torch.nn.Module) -> None:
-        params = [p for p in module._parameters.values() if p is not None]
         if self.recorded is not None:
-            for p in params:
-                if id(p) in self.ids and id(p) not in self._seen:
-                    self._seen.add(id(p))
-                    self.recorded.append(id(p))
-            # model.state_dict() / load_state_dict() of any module holding the params wait,
-            # also of those whose forward never runs (read by their parent: F.linear(x,
-            # self.head.weight)): every module below the outermost one called
+            for p in _plain(module).values():
+                if p is not None and id(p) in self.ids:
+                    self.modules.add(module)  # (it claims its params: it waits for them)
+                    if id(p) not in self._seen:
+                        self._seen.add(id(p))
+                        self.recorded.append(id(p))
+            # every module below the outermost one called that holds the params waits from
+            # then on, also one whose forward never runs (read by its parent: F.linear(x,
+            # self.head.weight)), for whatever reads its params (_PendingParams)
             if module not in self._scanned:
                 for sub in module.modules():
                     self._scanned.add(sub)
-                    if any(id(q) in self.ids for q in sub._parameters.values()
-                           if q is not None):
-                        self._hook_module(sub)
+                    if any(q is not None and id(q) in self.ids
+                           for q in _plain(sub).values()):
+                        self.modules.add(sub)
         queue = self.queue
-        if queue is not None and queue.finished <= self.first_end:
-            # the forward's first module, whichever: params it reads outside module hooks
+        if queue is None:
+            return
+        if queue.finished <= self.first_end:
+            # the forward's first module, whichever: params no module it knows holds
             self._wait_through(self.first_end, by_forward=True)
-        if not any(id(p) in self.ids for p in params):
-            return
-        self._hook_module(module)
-        if self.queue is None:
-            return
-        need = max((self.last_item.get(id(p), -1) for p in params), default=-1)
-        if need >= 0:
-            # past its last param in the recorded order, the forward completes the rest
-            # too (params it does not use): no rank's exchange outlives its forward
-            self._wait_through(self.queue.size - 1 if need >= self.order_end else need,
-                               by_forward=True)
+        held = module.__dict__.get("_parameters")
+        if type(held) is _PendingParams and self in held.needs:
+            held.settle(by_forward=True)
 
-    def _hook_module(self, module: torch.nn.Module) -> None:
-        if module in self.modules:
-            return
-        self.modules.add(module)
-        me = weakref.ref(self)
+    def _plan_waits(self, params: list, params_of_items: list) -> tuple:
+        """(order_end: the item of the last param the forward uses, first_end: the last
+        item carrying params no module hook claims, [(module, the last item carrying its
+        params)] for every module known to hold them)."""
+        last_item: dict[int, int] = {}  # id(param) -> the last item carrying it
+        for k, pids in enumerate(params_of_items):
+            for pid in pids:
+                last_item[id(params[pid])] = k
+        used = [last_item[id(params[pid])] for pid in self.positions
+                if pid < len(params) and id(params[pid]) in last_item]
+        order_end = max(used) if used else len(params_of_items) - 1
+        # params no module hook claims but a known module holds are waited for by whatever
+        # reads them through that module (`F.linear(x, self.head.weight)`); the forward's
+        # first module waits for the others (held by no module it knows)
+        held = {id(p) for module in list(self.modules) for p in _plain(module).values()}
+        loose = {pid for pid in self.unclaimed if pid < len(params)
+                 and id(params[pid]) not in held}
+        first_end = max((k for k, pids in enumerate(params_of_items)
+                         if loose.intersection(pids)), default=-1)
+        needs = []
+        for module in list(self.modules):
+            need = max((last_item.get(id(p), -1) for p in _plain(module).values()
+                        if p is not None), default=-1)
+            if need >= 0:
+                # past its last param in the recorded order, the forward completes the
+                # rest too (params it does not use): no rank's exchange outlives its forward
+                needs.append([weakref.ref(module),
+                              len(params_of_items) - 1 if need >= order_end else need,
+                              None])  # (its _PendingParams, made once, filled at each step)
+        return order_end, first_end, needs
 
-        def wait(*args, **kwargs):
-            gather = me()
-            if gather is not None:
-                gather.wait_all()
+    def _hold_modules(self, needs: list) -> None:
+        """Every module known to hold the params gets a _PendingParams in place of its
+        `_parameters` until the collectives carrying them have finished: whatever reads or
+        writes them through the module waits for them first."""
+        for entry in needs:
+            module = entry[0]()
+            if module is None:
+                continue
+            held = module.__dict__["_parameters"]
+            if type(held) is not _PendingParams:  # (else another optimizer's: joined)
+                mine = entry[2]
+                if mine is None or mine.plain is not held:
+                    mine = entry[2] = _PendingParams(held, module)
+                else:  # (the same dict as last time: its names as they are now)
+                    dict.clear(mine)
+                    dict.update(mine, held)
+                module.__dict__["_parameters"] = held = mine
+            held.needs[self] = entry[1]
+            self.held.append(held)
 
-        module.register_state_dict_pre_hook(wait)
-        module.register_load_state_dict_pre_hook(wait)
+    def _watch_writes(self, queue: LaneQueue, params: list, params_of_items: list) -> None:
+        """A write into a param while the collectives carrying it are in flight (a script
+        that writes params it holds, between step and forward, without wait_for_params)
+        moves its version counter, which the exchange's own writes leave alone (they go
+        through `.data`: Replicas.sync): checked once each item has finished."""
+        versions = [p._version for p in params]
+
+        def watch(k: int) -> None:
+            if self.written is None:
+                for pid in params_of_items[k]:
+                    if params[pid]._version != versions[pid]:
+                        self.written = pid
+                        return
+
+        queue.watch = watch
+
+    def write_error(self) -> RuntimeError | None:
+        """(at a step, before its agreement: raised on every rank) A param written while
+        its exchange was in flight, on this rank; then forgotten."""
+        pid, self.written = self.written, None
+        if pid is None:
+            return None
+        zero = self._zero()
+        p = zero.hook_seam.params[pid] if zero is not None else None
+        shape = tuple(p.shape) if p is not None else "?"
+        return RuntimeError(
+            f"zero_ext: param {pid} of the optimizer (shape {shape}) was written while the "
+            "last step's exchange of it was in flight (overlap_param_gather=True): the "
+            "exchange landed on part of the write, so the params differ between ranks. Call "
+            "opt.wait_for_params() on every rank before writing params held outside the "
+            "module between step() and the next forward (a write through the module, "
+            "`model.layer.weight`, waits by itself)")
 
     def _wait_through(self, k: int, by_forward: bool = False) -> None:
         queue = self.queue
+        if queue.finished > k and not queue.done:  # (arrived: no wait, no lock)
+            if self.first_wait is None:
+                self.first_wait, self.first_by_forward = 0.0, by_forward
+            return
         t = time.perf_counter()
         if self.threaded:
             queue.wait_finished(k)
@@ -565,6 +839,9 @@ class ParamGather:
         if zero is not None:
             zero.last_step_timings["param_wait"] = self.waited
         self.queue = None
+        for held in self.held:
+            held.release(self)
+        self.held = []
         _IN_FLIGHT.discard(self)
         if self.recorded is None:
             _deactivate(self)

@@ -285,7 +285,17 @@ class Replicas:
             exchange(self.ex, messages, plan.element_view)
             return None
         lanes, bounded = deferred.transport(self.ex, len(messages), gathers)
-        queue = exchange(self.ex, messages, plan.element_view, lanes=lanes, defer=True,
+
+        def data_view(pid: int, start: int, length: int) -> torch.Tensor:
+            # (through .data, whose version counter is its own: the exchange's writes, some
+            # made on the backend's threads, leave the params' counters alone, and a move of
+            # one while in flight is a write by another hand: param_gather watches them)
+            p = plan.params[pid].data
+            if start == 0 and length == p.numel() and not p.is_contiguous():
+                return p
+            return p.view(-1)[start:start + length]
+
+        queue = exchange(self.ex, messages, data_view, lanes=lanes, defer=True,
                          bounded=bounded)
         return queue, [[pc[0] for pc in (m.params if gathers else m.pieces)]
                        for m in messages]

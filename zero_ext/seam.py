@@ -199,6 +199,8 @@ class HookSeam:
         hp = hyperparameter_digest(zero.optim.param_groups)
         mask = hash(trainable) & ((1 << 62) - 1)
         gather = zero._param_gather  # (overlap_param_gather: left in flight for the forward)
+        if gather is not None and error is None:  # (unless the step agreed on it earlier)
+            error = gather.write_error()
         # (one more lane for the exchange in flight if any rank's forward fell behind it)
         wider = int(gather is not None and gather.wants_more_lanes())
         frozen, top, bottom, hp_top, hp_bottom, wider = agree(

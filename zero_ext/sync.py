@@ -298,6 +298,9 @@ class LaneQueue:
         self.inflight: dict = {}
         self.error: BaseException | None = None
         self.cond = threading.Condition()
+        # watch(i): called once item i has finished, on the thread that drives the queue
+        # (the exchange left in flight checks there that nothing else wrote its params)
+        self.watch: Callable[[int], None] | None = None
 
     @property
     def size(self) -> int:
@@ -331,6 +334,8 @@ class LaneQueue:
                 work, state = self.inflight[i]  # (its staging held until it has finished)
                 work.wait()
                 self.finish_fn(self.items[i], state)
+                if self.watch is not None:
+                    self.watch(i)
                 del self.inflight[i]
                 with self.cond:
                     self.finished += 1

@@ -84,6 +84,11 @@ class _ZeroJoinHook(JoinHook):
             del zero.found_inf
             del zero.grad_scale
 
+    def post_hook(self, is_last_joiner: bool) -> None:
+        # (overlap_param_gather) the last step's exchange lands before the Join ends: what
+        # follows (DDP's final sync of the last joiner's params) reads them
+        self.zero.wait_for_params()
+
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Shard the state of ``optimizer_class`` over the ranks of ``process_group``.
@@ -483,7 +488,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._replicas.overlapped or found_inf is not None or hooked or ran_closure:
             # Buckets sent from inside the local step (overlapped) must be laid out alike
             # before anything is stepped; GradScaler's verdict and a hook's verdict on the
-            # grads must be known before anything is stepped: agree first.
+            # grads must be known before anything is stepped: agree first. (A param the
+            # script wrote while the last exchange was in flight, overlap_param_gather, is
+            # raised here too; with no agreement here, by the one after the local step.)
+            if self._param_gather is not None:
+                inf_error = inf_error or self._param_gather.write_error()
             verdicts = None if found_inf is None or self._join_stepping else \
                 amp.scaler_verdicts(self)
             unreachable = int(found_inf is not None and not self._join_stepping
@@ -644,9 +653,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def wait_for_params(self) -> None:
         """With ``overlap_param_gather=True``: return once every owner's update of the last
         step has reached this rank's params (nothing to do otherwise). Call it, on every
-        rank, before the script itself reads or writes params between ``step()`` and the
-        next forward (an EMA over ``model.parameters()``, logging a weight, copying weights
-        in); torch's and zero_ext's own paths wait by themselves."""
+        rank, before the script reads or writes, between ``step()`` and the next forward,
+        params it holds itself (a list of params taken earlier); whatever goes through the
+        model (its forward, ``model.parameters()``, state_dict, casts, pickling, DDP) and
+        zero_ext's own paths wait by themselves."""
         if self._param_gather is not None:
             self._param_gather.wait_all()
 

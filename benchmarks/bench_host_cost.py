@@ -289,7 +289,7 @@ def _report(world: int, per_rank: list, opts: dict) -> None:
              f"iteration, median of {opts['rounds']} rounds of {opts['iters']} iterations")
     print_table(title, ["world", "tensors", "mode", "DDP buckets", "collectives / backward",
                         f"{'ms' if opts['real'] else 'CPU ms'} / it", "x ddp",
-                        "x ddp+py_hook", "max |diff| vs ddp"], rows)
+                        "x ddp+py_hook", "max abs diff vs ddp"], rows)
 
 
 def main(argv=None) -> None:

@@ -9,6 +9,10 @@
 #                 $OUT/tests_summary.txt and again at the end of the log
 #   bench_adamw   FusedAdamW vs torch on CUDA, and the masters kernel
 #   bench_flatten flatten / unflatten vs torch.cat / copy_ on CUDA
+#   gpt2_host     GPT-2 small (bf16 autocast, 8 x 1024 tokens, NCCL, world 1): ms per
+#                 iteration for DDP + AdamW(fused), DDP + torch's Python allreduce_hook,
+#                 zero_ext even, + reduce_scatter_hook, + hook + overlap_param_gather, as
+#                 ratios to DDP in the same run (benchmarks/bench_host_cost.py --gpt2-cuda)
 #   nccl          reduce_scatter_hook on NCCL (benchmarks/nccl_hook_check.py)
 #   sanitizer     compute-sanitizer memcheck of the CUDA kernel tests (fused AdamW op and
 #                 plan, flatten)
@@ -148,6 +152,11 @@ section_bench_flatten() {
     bash -o pipefail -c "$PY benchmarks/bench_flatten.py --device cuda 2>&1 | tee -a $OUT/bench_cuda.md"
 }
 
+section_gpt2_host() {
+  run 100 "GPT-2 small host cost, world 1 (bench_host_cost.py --gpt2-cuda)" \
+    bash -o pipefail -c "$PY benchmarks/bench_host_cost.py --gpt2-cuda --rounds 3 --iters 10 2>&1 | tee $OUT/gpt2_host.md"
+}
+
 section_sanitizer() {
   which compute-sanitizer >/dev/null 2>&1 || { elapsed "no compute-sanitizer: skipped"; return; }
   run 75 "compute-sanitizer memcheck: CUDA fused AdamW (op and plan) and flatten tests" \
@@ -157,12 +166,13 @@ section_sanitizer() {
 # main: the sections in order; a section that finds too little of the budget left is skipped
 # (logged), so the ones that matter most come first. Expected seconds on the H200 (not all
 # measured yet): env 5, build 35-45, tests 180-240 (ten processes), bench_adamw 60-100,
-# bench_flatten 20-30, nccl 40-60, sanitizer 40-75.
+# bench_flatten 20-30, gpt2_host 40-70, nccl 40-60, sanitizer 40-75.
 section_env
 section_build
 section_tests
 section_bench_adamw
 section_bench_flatten
+section_gpt2_host
 section_nccl
 section_sanitizer
 elapsed "done"

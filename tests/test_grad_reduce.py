@@ -624,7 +624,9 @@ def test_even_mode_splits_every_bucket_and_the_exchange_evenly(world):
 
 def _accumulate(rank, world, how):
     """Two backwards before one step: without no_sync the second reduction would mix
-    averaged and local grads: an error on every rank; zeroed in between: fine."""
+    averaged and local grads: an error on every rank; zeroed in between: fine. Also through
+    a second DDP wrap of the model while the first one lives on, and through
+    ``ddp.forward`` called directly (no module hook of the DDP model runs)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from zero_ext import ZeroRedundancyOptimizer
@@ -637,11 +639,19 @@ def _accumulate(rank, world, how):
     ddp.register_comm_hook(None, reduce_scatter_hook)
     ref = DDP(_Net(), bucket_cap_mb=cap)
     o_ref = torch.optim.AdamW(ref.module.parameters(), **HP)
+    if "rewrap" in how:  # trained through the first wrap, then a second over the same model
+        for it in range(2):
+            ddp(_batch(rank, it)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        first, ddp = ddp, DDP(net, bucket_cap_mb=cap)  # (the first one kept alive)
+        ddp.register_comm_hook(None, reduce_scatter_hook)
+    run = ddp.forward if "forward-direct" in how else ddp
     for it in range(2):
-        ddp(_batch(rank, it)).square().mean().backward()
+        run(_batch(rank, it)).square().mean().backward()
         if "zeroed" in how and "after-forward" not in how:
             ddp.zero_grad(set_to_none=False)  # the first micro-batch discarded, in place
-        loss = ddp(_batch(rank, it, 1)).square().mean()
+        loss = run(_batch(rank, it, 1)).square().mean()
         if "after-forward" in how:  # (zeroed between the forward and its backward)
             ddp.zero_grad(set_to_none=False)
         loss.backward()
@@ -660,7 +670,8 @@ def _accumulate(rank, world, how):
 
 @pytest.mark.parametrize("how", ["one-bucket", "buckets", "one-bucket-grad-view",
                                  "one-bucket-zeroed", "buckets-zeroed-grad-view",
-                                 "buckets-zeroed-after-forward"])
+                                 "buckets-zeroed-after-forward", "buckets-rewrap",
+                                 "buckets-forward-direct"])
 def test_two_backwards_without_no_sync(how):
     msgs = run_world(_accumulate, 2, how)
     for m in msgs:
@@ -712,9 +723,10 @@ def test_zero_grad_then_step_is_not_an_error():
 
 
 def _pickled(rank, world):
-    """What the hook leaves on the DDP model (a forward hook that watches for a second
-    backward) pickles and deep-copies with it, as torch.save(ddp) and copy.deepcopy do;
-    the copy trains on as a plain model."""
+    """A DDP model trained through the hook pickles and deep-copies (torch.save(ddp),
+    copy.deepcopy): the hook leaves nothing unpicklable on it (its watch for a second
+    backward is a global forward pre-hook, and only between a backward and its step); the
+    copy trains on as a plain model."""
     import copy
     import io
 

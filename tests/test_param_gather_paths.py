@@ -374,3 +374,51 @@ def _own_writes(rank, world, cfg):
 @pytest.mark.parametrize("world,form", [(2, "auto"), (3, "nccl")])
 def test_the_exchange_own_writes_raise_nothing(world, form):
     run_world(_own_writes, world, dict(sharding="even", form=form))
+
+
+# ------------------------------------------------------------------ a kept reference
+class _Captured(torch.nn.Module):
+    """A forward that reads a submodule's params through references kept at construction
+    (`F.linear(x, *self._pre)`): neither the submodule's forward nor an attribute read of
+    it runs, so only the forward's first wait can cover them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (torch.nn.Linear(12, 32), torch.nn.Linear(32, 48),
+                                  torch.nn.Linear(48, 5))
+        self.pre = torch.nn.Linear(12, 12)
+        self._pre = (self.pre.weight, self.pre.bias)
+
+    def forward(self, x):
+        x = x + torch.nn.functional.linear(x, *self._pre)
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _captured(rank, world, sharding):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer, param_gather
+
+    param_gather.WORKER_DELAY_S = 0.05
+    ref, cand = DDP(_Captured(), bucket_cap_mb=0.002), DDP(_Captured(), bucket_cap_mb=0.002)
+    o_ref = torch.optim.AdamW(ref.module.parameters(), **HP)
+    opt = ZeroRedundancyOptimizer(cand.module.parameters(), torch.optim.AdamW,
+                                  sharding=sharding, overlap_param_gather=True, **HP)
+    for it in range(6):
+        for d, o in ((ref, o_ref), (cand, opt)):
+            d(_batch(rank, it)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():  # the first forward after the step, exchange in flight
+            x = _batch(rank, 50 + it)
+            torch.testing.assert_close(cand(x), ref(x), **TOL,
+                                       msg=lambda m, it=it: f"forward after step {it}: {m}")
+    opt.wait_for_params()
+    _params_close(cand.module.parameters(), ref.module.named_parameters(), "end")
+    return True
+
+
+@pytest.mark.parametrize("sharding", ["param", "flat"])
+def test_params_read_through_a_kept_reference(sharding):
+    assert all(run_world(_captured, 2, sharding))

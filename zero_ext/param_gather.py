@@ -712,12 +712,11 @@ class ParamGather:
         used = [last_item[id(params[pid])] for pid in self.positions
                 if pid < len(params) and id(params[pid]) in last_item]
         order_end = max(used) if used else len(params_of_items) - 1
-        # params no module hook claims but a known module holds are waited for by whatever
-        # reads them through that module (`F.linear(x, self.head.weight)`); the forward's
-        # first module waits for the others (held by no module it knows)
-        held = {id(p) for module in list(self.modules) for p in _plain(module).values()}
-        loose = {pid for pid in self.unclaimed if pid < len(params)
-                 and id(params[pid]) not in held}
+        # the forward's first module waits for every param no module hook claims, also
+        # those a known module holds: a forward may read them without going through that
+        # module at all (a reference kept in a tuple, `F.linear(x, *self._pre)`). They come
+        # first in the order, so this wait is for the head of the exchange.
+        loose = {pid for pid in self.unclaimed if pid < len(params)}
         first_end = max((k for k, pids in enumerate(params_of_items)
                          if loose.intersection(pids)), default=-1)
         needs = []

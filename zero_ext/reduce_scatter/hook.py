@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..seam import HookSeam, newest_holding
 from . import plan
-from .record import Record, arm_before_backward
+from .record import Record
 from .transport import Transfers
 
 logger = logging.getLogger("zero_ext")
@@ -142,9 +142,6 @@ def check_layout(reducer, ddp, group) -> None:
     opt = reducer.seam.optimizer
     if ddp is not None:
         reducer.checked_ddps.add(ddp)
-        arm_before_backward(ddp, reducer.record)
-    else:  # (which DDP's forward precedes a backward is unknown: every grad is watched)
-        reducer.record.watch_all()
     if group is None or group is _SEVERAL:
         return  # (unknown: the groups cannot be compared)
     theirs = sorted(dist.get_process_group_ranks(group))

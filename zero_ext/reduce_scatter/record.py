@@ -21,15 +21,15 @@ class Record:
     Its costs are per bucket (what the hook reduced) and per step or record (one pass over
     the recorded grads); nothing runs per param in a normal training loop's backward: the
     grads of a backward that adds onto reduced grads are watched only when such grads
-    exist as the backward is about to start (`arm`, from DDP's forward)."""
+    exist as the next forward begins (`arm`)."""
 
     def __init__(self, seam):
         self.seam = seam
         self.accumulated = False  # a backward ran onto reduced grads
-        # (param ids of a bucket, the seam's Ownership it was cut by), per bucket reduced:
-        # since the last record, and since the last step
+        # param ids of each bucket reduced since the last record; the same -> the seam's
+        # Ownership it was cut by, since the last step
         self.pending: list[tuple] = []
-        self.reduced_under: list[tuple] = []
+        self.reduced_under: dict[tuple, object] = {}
         self._record_queued = False  # a record of `pending` runs after DDP's write-back
         # param_id -> (weakref to its grad, the grad's version) once DDP wrote it (weak: a
         # grad dropped by zero_grad is freed); params whose buckets were all-reduced have
@@ -40,12 +40,12 @@ class Record:
         # a clip of partial grads before the gather is still an error at the step
         self.gathered_changes: dict = {}
         self._armed: list = []  # hooks on the incoming grads of untouched reduced grads
-        self._watched = 0  # params watched on every backward (the fallback of watch_all)
+        self._next_forward = None  # a global forward pre-hook that arms, while one waits
 
     def reduced(self, param_ids: tuple, ownership) -> None:
         """The hook reduce-scatters these params' grads (one bucket's) under `ownership`."""
         self.pending.append(param_ids)
-        self.reduced_under.append((param_ids, ownership))
+        self.reduced_under[param_ids] = ownership
 
     def after_bucket(self, bucket) -> None:
         """After the hook ran for `bucket` (here, on the autograd thread): at DDP's last
@@ -65,12 +65,13 @@ class Record:
 
     # ---------------------------------------------------------------- accumulation
     def arm(self) -> None:
-        """(a DDP model's forward, before its backward) A backward that adds onto a grad
-        this hook reduced, untouched since (no step, no zero_grad between), would mix
-        averaged and local grads in the next reduction: the elements a rank does not own
-        hold its local grad. Such grads exist here only when a script runs a second backward
-        without a step (nothing to do in a normal loop, where the step consumed the record):
-        their incoming grads are watched until the step, which then raises."""
+        """(the first module forward after a record that no step consumed) A backward that
+        adds onto a grad this hook reduced, untouched since (no step, no zero_grad between),
+        would mix averaged and local grads in the next reduction: the elements a rank does
+        not own hold its local grad. Such grads exist here only when a script runs another
+        forward and backward without a step (in a normal loop the step consumes the record
+        first, and this never runs): their incoming grads are watched until the step,
+        which then raises."""
         self.disarm()
         if not self.seen:
             return
@@ -86,17 +87,18 @@ class Record:
         for handle in self._armed:
             handle.remove()
         self._armed = []
+        if self._next_forward is not None:
+            self._next_forward.remove()
+            self._next_forward = None
 
-    def watch_all(self) -> None:
-        """Where the hook cannot tell which DDP model's forward comes before a backward
-        (the bucket's params are held by several DDP models), every trainable param's
-        incoming grad is watched instead, on every backward (registered once per param)."""
-        params = self.seam.params
-        me = weakref.ref(self)
-        for i in range(self._watched, len(params)):
-            if params[i].requires_grad:
-                params[i].register_hook(functools.partial(_incoming_grad, me, i))
-        self._watched = len(params)
+    def _arm_on_next_forward(self) -> None:
+        """(a record no step consumed yet) The next module forward, of any module (through
+        a DDP model or not, a new DDP wrap, ``ddp.forward`` called directly), arms: a global
+        forward pre-hook, removed by the step or once it fired. In a normal loop it is
+        registered at the end of backward and removed by the step, never called."""
+        if self._next_forward is None:
+            self._next_forward = torch.nn.modules.module.register_module_forward_pre_hook(
+                functools.partial(_arm_on_forward, weakref.ref(self)))
 
     # ---------------------------------------------------------------- the record
     @torch._disable_dynamo
@@ -121,10 +123,12 @@ class Record:
                 if g is not None:
                     seen[i] = (weakref.ref(g), g._version)
                     g._zero_ext_cut = cut
+        if seen:
+            self._arm_on_next_forward()
 
     def start_step(self) -> None:
         """The step reads the grads: what the backward passes left is consumed."""
-        self.seen, self.cuts, self.reduced_under, self.gathered_changes = None, [], [], {}
+        self.seen, self.cuts, self.reduced_under, self.gathered_changes = None, [], {}, {}
         self.disarm()
 
     def forget(self, ids) -> None:
@@ -132,8 +136,8 @@ class Record:
         ids = set(ids)
         for i in ids:
             self.seen.pop(i, None)
-        self.reduced_under = [(tuple(i for i in pids if i not in ids), own)
-                              for pids, own in self.reduced_under]
+        self.reduced_under = {tuple(i for i in pids if i not in ids): own
+                              for pids, own in self.reduced_under.items()}
 
     def moved_ownership(self) -> list[int]:
         """Indices of reduced params whose owners changed since the reduction (a new
@@ -142,7 +146,7 @@ class Record:
             return []
         now = self.seam.ownership()
         moved = set()
-        for ids, then in self.reduced_under:
+        for ids, then in self.reduced_under.items():
             if then.token is not now.token:  # (one test per bucket while nothing changed)
                 moved.update(i for i in ids if sorted(then.runs.get(i, ()))
                              != sorted(now.runs.get(i, ())))
@@ -207,28 +211,17 @@ class _Cut:
         _Cut.unconsumed.discard(self)
 
 
-def arm_before_backward(ddp, record: Record) -> None:
-    """After every forward of `ddp` (a forward hook, registered once per DDP model and
-    record), `record.arm()`: the backward that follows is the next one through the hook."""
-    handle = ddp.register_forward_hook(_ArmBeforeBackward(record))
-    weakref.finalize(record, handle.remove)  # (an optimizer gone: its hook goes too)
-
-
-class _ArmBeforeBackward:
-    """The forward hook of arm_before_backward: a weak reference to the record; pickled or
-    copied with the DDP model as nothing (a hook that does nothing)."""
-
-    def __init__(self, record: Record | None):
-        self.record = None if record is None else weakref.ref(record)
-
-    @torch._disable_dynamo
-    def __call__(self, module, args, output) -> None:
-        r = None if self.record is None else self.record()
-        if r is not None and r.seen:
-            r.arm()
-
-    def __reduce__(self):
-        return (_ArmBeforeBackward, (None,))
+@torch._disable_dynamo
+def _arm_on_forward(record_ref, module, args) -> None:
+    """The global forward pre-hook of Record._arm_on_next_forward: fires once."""
+    r = record_ref()
+    if r is None:
+        return
+    if r._next_forward is not None:
+        r._next_forward.remove()
+        r._next_forward = None
+    if r.seen:
+        r.arm()
 
 
 _SCALER_BUMPS: dict = {}

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 # call), which a GPU's iteration pays in full, so a bucket of DDP's default size (25 MB) is
 # one collective where its shares are even: at 8 MB of bucket per segment, GPT-2 small's 13
 # buckets were 67 collectives per backward (1.53x DDP's iteration on an H200 at world 1).
-# 16 MB keeps the peak memory of the 33.6M MLP within 70 MB of plain zero_ext in every
-# mode (docs/performance.md). ZERO_EXT_HOOK_SEGMENT_BYTES sets it (benchmarks, tests;
-# every rank alike).
+# At 16 MB the peak memory of the 33.6M MLP at world 2 stays within 48 MB of plain zero_ext
+# in even and param modes; flat mode, where one rank receives whole buckets, reached +102
+# in some repeats (+46 at 8 MB: docs/performance.md, "Host cost").
+# ZERO_EXT_HOOK_SEGMENT_BYTES sets it (benchmarks, tests; every rank alike).
 SEGMENT_BYTES = int(os.environ.get("ZERO_EXT_HOOK_SEGMENT_BYTES", 16 << 20))
 
 

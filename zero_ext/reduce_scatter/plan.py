@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 # reduce_scatter, none where that one runs in place in the bucket (even mode on NCCL,
 # one-param buckets). Each collective costs the host 0.1-0.5 ms (Python, the backend's
 # call), which a GPU's iteration pays in full, so a bucket of DDP's default size (25 MB) is
-# one collective where its shares are even: at 8 MB of bucket per segment, GPT-2 small's 13
-# buckets were 67 collectives per backward (1.53x DDP's iteration on an H200 at world 1).
+# one collective where its shares are even: at 8 MB of bucket per segment, GPT-2 small took
+# 68 collectives per backward (1.53x DDP's iteration on an H200 at world 1).
 # At 16 MB the peak memory of the 33.6M MLP at world 2 stays within 48 MB of plain zero_ext
 # in even and param modes; flat mode, where one rank receives whole buckets, reached +102
 # in some repeats (+46 at 8 MB: docs/performance.md, "Host cost").

@@ -722,6 +722,47 @@ def test_zero_grad_then_step_is_not_an_error():
     assert all(run_world(_zero_grad_then_step, 2))
 
 
+def _dropped_before_its_step(rank, world):
+    """An optimizer dropped after a backward through the hook, before any step (a
+    replacement built instead), three times over: the watch it left for a second backward
+    (a global module forward pre-hook) goes with it. Left behind, every forward of the
+    process would run it, and torch.compile would compile nothing while it is there."""
+    import gc
+    import weakref
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    before = len(hooks)
+    torch.manual_seed(0)
+    ddp = DDP(_Net(), bucket_cap_mb=0.002)
+    ddp.register_comm_hook(None, reduce_scatter_hook)
+    counts = []
+    for phase in range(3):
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, **HP)
+        for it in range(2):
+            ddp(_batch(rank, it)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        ddp(_batch(rank, 9)).square().mean().backward()  # reduced, never stepped
+        during = len(hooks)
+        gone = weakref.ref(opt)
+        del opt
+        gc.collect()
+        ddp.zero_grad()
+        counts.append((during - before, gone() is None, len(hooks) - before))
+    return counts
+
+
+def test_an_optimizer_dropped_before_its_step_takes_its_forward_watch_along():
+    for counts in run_world(_dropped_before_its_step, 2):
+        # (one watch while the record waited; none once its optimizer was freed)
+        assert counts == [(1, True, 0)] * 3, counts
+
+
 def _pickled(rank, world):
     """A DDP model trained through the hook pickles and deep-copies (torch.save(ddp),
     copy.deepcopy): the hook leaves nothing unpicklable on it (its watch for a second

@@ -395,13 +395,31 @@ class _Captured(torch.nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def _captured(rank, world, sharding):
+class _CapturedThenCalled(_Captured):
+    """The same early read through the kept references, and the submodule holding them
+    called later in the same forward: its own forward claims the params in the recorded
+    order, after the read."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.b = torch.nn.Linear(32, 12)
+        self.c = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        x = x + torch.nn.functional.linear(x, *self._pre)
+        h = self.b(torch.tanh(self.a(x)))
+        return self.c(self.pre(torch.tanh(h)))
+
+
+def _captured(rank, world, sharding, called_later=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from zero_ext import ZeroRedundancyOptimizer, param_gather
 
     param_gather.WORKER_DELAY_S = 0.05
-    ref, cand = DDP(_Captured(), bucket_cap_mb=0.002), DDP(_Captured(), bucket_cap_mb=0.002)
+    model = _CapturedThenCalled if called_later else _Captured
+    ref, cand = DDP(model(), bucket_cap_mb=0.002), DDP(model(), bucket_cap_mb=0.002)
     o_ref = torch.optim.AdamW(ref.module.parameters(), **HP)
     opt = ZeroRedundancyOptimizer(cand.module.parameters(), torch.optim.AdamW,
                                   sharding=sharding, overlap_param_gather=True, **HP)
@@ -422,3 +440,8 @@ def _captured(rank, world, sharding):
 @pytest.mark.parametrize("sharding", ["param", "flat"])
 def test_params_read_through_a_kept_reference(sharding):
     assert all(run_world(_captured, 2, sharding))
+
+
+@pytest.mark.parametrize("sharding", ["param", "flat"])
+def test_params_read_through_a_kept_reference_before_their_module_runs(sharding):
+    assert all(run_world(_captured, 2, sharding, True))

@@ -295,6 +295,24 @@ class _PendingParams(dict):
         dict.clear(self)
 
 
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+def _kept_params(module: torch.nn.Module):
+    """The params a module refers to from plain tuples, lists and dicts of its own
+    attributes (not its _parameters, buffers or submodules): one level deep."""
+    for name, value in vars(module).items():
+        if name in _MODULE_INTERNALS:
+            continue
+        if isinstance(value, dict):
+            value = value.values()
+        elif not isinstance(value, (tuple, list)):
+            continue
+        for q in value:
+            if isinstance(q, torch.nn.Parameter):
+                yield q
+
+
 def _plain(module: torch.nn.Module) -> dict:
     """A module's own `_parameters` (zero_ext's reads: no wait)."""
     held = module.__dict__.get("_parameters", {})
@@ -528,7 +546,8 @@ class ParamGather:
         self.first_end = -1           # the last item carrying such params held by no module
         self.recorded: list | None = None  # id(param) in first-use order, while recording
         self._seen: set = set()
-        self._read_early: set = set()  # read as an attribute before its module's forward
+        self._read_early: set = set()  # read before its module's forward: as an
+        #                                 attribute, or kept by a module (_kept_params)
         self.ids: set = set()         # id of every param of the optimizer
         self.modules: "weakref.WeakSet" = weakref.WeakSet()  # modules holding the params
         self._scanned: "weakref.WeakSet" = weakref.WeakSet()  # their trees searched
@@ -691,6 +710,12 @@ class ParamGather:
                     if any(q is not None and id(q) in self.ids
                            for q in _plain(sub).values()):
                         self.modules.add(sub)
+                    # params a module keeps references to outside its own _parameters
+                    # (`self._post = (self.post.weight, self.post.bias)`, then
+                    # `F.linear(x, *self._post)`) may be read before the module holding
+                    # them runs, even if it runs later in the same forward: read early
+                    self._read_early.update(id(q) for q in _kept_params(sub)
+                                            if id(q) in self.ids)
         queue = self.queue
         if queue is None:
             return

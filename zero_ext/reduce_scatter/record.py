@@ -87,18 +87,27 @@ class Record:
         for handle in self._armed:
             handle.remove()
         self._armed = []
+        self._drop_next_forward()
+
+    def _drop_next_forward(self) -> None:
         if self._next_forward is not None:
-            self._next_forward.remove()
+            handle, gone = self._next_forward
+            gone.detach()
+            handle.remove()
             self._next_forward = None
 
     def _arm_on_next_forward(self) -> None:
         """(a record no step consumed yet) The next module forward, of any module (through
         a DDP model or not, a new DDP wrap, ``ddp.forward`` called directly), arms: a global
         forward pre-hook, removed by the step or once it fired. In a normal loop it is
-        registered at the end of backward and removed by the step, never called."""
+        registered at the end of backward and removed by the step, never called. A record
+        freed first (its optimizer dropped after a backward, a replacement built instead)
+        takes the hook with it: left behind, a global hook would run on every forward of
+        the process and keep torch.compile from compiling any module."""
         if self._next_forward is None:
-            self._next_forward = torch.nn.modules.module.register_module_forward_pre_hook(
+            handle = torch.nn.modules.module.register_module_forward_pre_hook(
                 functools.partial(_arm_on_forward, weakref.ref(self)))
+            self._next_forward = (handle, weakref.finalize(self, handle.remove))
 
     # ---------------------------------------------------------------- the record
     @torch._disable_dynamo
@@ -217,9 +226,7 @@ def _arm_on_forward(record_ref, module, args) -> None:
     r = record_ref()
     if r is None:
         return
-    if r._next_forward is not None:
-        r._next_forward.remove()
-        r._next_forward = None
+    r._drop_next_forward()
     if r.seen:
         r.arm()
 

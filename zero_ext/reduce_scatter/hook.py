@@ -41,7 +41,7 @@ class GradReducer:
     def bucket_plan(self, bucket, params=None) -> "plan.BucketPlan | None":
         return plan.cut(bucket, self.seam.ownership(), self.seam.param_index(),
                         self.transfers.world, self.buckets, params,
-                        self.transfers.scatter_of(bucket.buffer()))
+                        self.transfers.scatters)
 
     def start_step(self) -> None:
         """The step reads the grads: the record is consumed, the transfers start afresh.

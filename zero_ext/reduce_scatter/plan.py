@@ -53,7 +53,6 @@ class Segment:
     #                        is that slice of the bucket itself, no packing
     # (the transport's, kept with the segment) lane -> its views of the bucket and scratch
     views: dict = field(default_factory=dict)
-    backends: dict = field(default_factory=dict)  # id(group) -> backend name
 
 
 @dataclass
@@ -69,13 +68,13 @@ class BucketPlan:
 
 
 def cut(bucket, ownership, index: dict, world: int, cache: dict, params=None,
-        scatter_of=None) -> "BucketPlan | None":
+        scatters=None) -> "BucketPlan | None":
     """The plan of DDP's `bucket` under `ownership` (the seam's Ownership; `index`: id(param)
     -> the optimizer's index of it), or None when the bucket holds params the optimizer does
     not own entirely (then it is all-reduced). Plans are kept in `cache` until the bucket's
     params or the ownership change. `params`: the bucket's, when the caller has them;
-    `scatter_of(splits)`: whether a bucket so shared travels by reduce_scatter_tensor (its
-    segments are counted by what that receives)."""
+    `scatters(buffer, splits)`: whether a bucket so shared travels by reduce_scatter_tensor
+    (its segments are counted by what that receives)."""
     params = bucket.parameters() if params is None else params
     ident = tuple(map(id, params))
     owned = ownership.runs
@@ -104,7 +103,7 @@ def cut(bucket, ownership, index: dict, world: int, cache: dict, params=None,
     splits = [sum(n for _, n in rr) for rr in runs]
     whole = _segment(runs)
     count = segment_count(splits, bucket.buffer().element_size(),
-                          scatter=scatter_of is not None and scatter_of(splits),
+                          scatter=scatters is not None and scatters(bucket.buffer(), splits),
                           in_place=whole.in_place and all(len(rr) == 1 for rr in runs))
     bp = BucketPlan(ident, ownership.token, tuple(ids), splits,
                     [whole] if count == 1 else

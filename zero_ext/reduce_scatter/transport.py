@@ -71,7 +71,7 @@ class Transfers:
         self.seq = 0            # the hook's segments since the last step (issue order)
         self.ordered = _InOrder()
         self.in_flight: dict = {}  # lane -> the future of its last segment
-        self._backend = None  # (the first lane, its backend's name)
+        self._backends: dict = {}  # id(lane group) -> its backend's name, lower case
         # lane -> how many times its scratch was replaced (the segments' views name it)
         self.grown: "collections.defaultdict[int, int]" = collections.defaultdict(int)
         # Scratch per lane, (lane, name, dtype, device) -> buffer, grown to the largest
@@ -85,14 +85,17 @@ class Transfers:
         # one to free them (freeing a mapped buffer takes the GIL)
         self.outgrown: list = []
 
-    def scatter_of(self, buf: torch.Tensor):
-        """The transport's choice for a bucket like `buf` by its owners' splits (plan.cut
-        counts segments by what that collective receives)."""
-        group = self.seam.lanes[0]
-        if self._backend is None or self._backend[0] is not group:
-            self._backend = (group, str(dist.get_backend(group)).lower())
-        backend = self._backend[1]
-        return lambda splits: reduces_by_scatter(buf, backend, splits)
+    def _backend_of(self, group) -> str:
+        """A lane's backend name, asked of torch once per lane (~20 us a call)."""
+        name = self._backends.get(id(group))
+        if name is None:
+            name = self._backends[id(group)] = str(dist.get_backend(group)).lower()
+        return name
+
+    def scatters(self, buf: torch.Tensor, splits: list) -> bool:
+        """Whether a bucket like `buf` with these owners' `splits` travels by
+        reduce_scatter_tensor (plan.cut counts its segments by what that receives)."""
+        return reduces_by_scatter(buf, self._backend_of(self.seam.lanes[0]), splits)
 
     def restart(self) -> None:
         """At a step: no transfer is in flight (DDP waited for every one before its
@@ -134,9 +137,7 @@ class Transfers:
         replicas = self.replica_group
         total = self.world * (1 if replicas is None else dist.get_world_size(replicas))
         group = lanes[lane]
-        backend = seg.backends.get(id(group))
-        if backend is None:  # (asked once per segment and lane: ~20 us a call)
-            backend = seg.backends[id(group)] = str(dist.get_backend(group)).lower()
+        backend = self._backend_of(group)
         if reduces_by_scatter(buf, backend, seg.splits):
             work, owned_sum, write_back = self._issue_reduce_scatter(group, lane, buf, seg,
                                                                      me, total)

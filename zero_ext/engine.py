@@ -295,8 +295,7 @@ class AdamWEngine:
                 plan = self._plan = self._build(param_groups, state, layout, grads, none)
                 plan.auto = auto
                 native = plan.native  # (their ready() ran in _build)
-        table = torch.tensor([hparams_row(self.optimizer_class, g) for g in param_groups],
-                             dtype=torch.float64)
+        table = self._hparams_table(param_groups)
         for pack, mask in plan.increments:
             pack.flat.add_(1 if mask is None else mask)
         for k, calls in enumerate(plan.chunks):
@@ -319,6 +318,11 @@ class AdamWEngine:
             for pack, mask in plan.increments:
                 fi = found_inf.to(pack.flat.device).reshape(())
                 pack.flat.sub_(fi if mask is None else mask * fi)
+
+    def _hparams_table(self, param_groups) -> Tensor:
+        """Each group's hyperparameters as the kernel reads them (float64 [G, 7])."""
+        return torch.tensor([hparams_row(self.optimizer_class, g) for g in param_groups],
+                            dtype=torch.float64)
 
     @staticmethod
     def _steps(call: _Call) -> Tensor:
@@ -398,8 +402,7 @@ class AdamWEngine:
             c.native = None
         if not calls:
             return False
-        table = torch.tensor([hparams_row(self.optimizer_class, g) for g in param_groups],
-                             dtype=torch.float64)
+        table = self._hparams_table(param_groups)
         # the sources without a grad: one plan checks that they still have none
         no_grad = [sources[i] for i in none]
         for c in calls:

@@ -151,18 +151,17 @@ BAD_INPUT_CHILD = textwrap.dedent("""
 
 # (op, case index) -> the message's start, for the CPU and the CUDA kernels alike except
 # where the CUDA kernel rejects CPU tensors first (its own device check).
+# (flatten_into and unflatten_from share their argument checks: the same cases, each
+# message after its op's name)
+_FLATTEN_MESSAGES = (
+    "got 1 tensors but 2 offsets",
+    "tensors[0] has dtype Double but flat has dtype Float",
+    "tensors[0] (4 elements at offset 14) does not fit in flat of 16 elements",
+    "flat must be 1-D, got 2-D",
+)
 EXPECTED = {
-    ("flatten_into", 0): "flatten_into: got 1 tensors but 2 offsets",
-    ("flatten_into", 1): "flatten_into: tensors[0] has dtype Double but flat has dtype Float",
-    ("flatten_into", 2): "flatten_into: tensors[0] (4 elements at offset 14) does not fit in "
-                         "flat of 16 elements",
-    ("flatten_into", 3): "flatten_into: flat must be 1-D, got 2-D",
-    ("unflatten_from", 0): "unflatten_from: got 1 tensors but 2 offsets",
-    ("unflatten_from", 1): "unflatten_from: tensors[0] has dtype Double but flat has dtype "
-                           "Float",
-    ("unflatten_from", 2): "unflatten_from: tensors[0] (4 elements at offset 14) does not fit "
-                           "in flat of 16 elements",
-    ("unflatten_from", 3): "unflatten_from: flat must be 1-D, got 2-D",
+    **{(op, k): f"{op}: {msg}" for op in ("flatten_into", "unflatten_from")
+       for k, msg in enumerate(_FLATTEN_MESSAGES)},
     ("assign_params", 0): "assign_params: world_size must be in [1, 2^31), got 0",
     ("assign_params", 1): "assign_params: numels[1] = -2 is negative",
     ("assign_params", 2): "assign_params: numels and groups must have the same length, got 2 "

@@ -725,6 +725,27 @@ def test_a_failed_collective_fails_every_later_wait(bounded):
     assert queue.inflight[1][1] is staging[1]
 
 
+def test_a_failure_recorded_before_the_worker_runs_is_the_one_raised():
+    """A failure recorded on the queue before the worker thread got to it (a peer lost, an
+    error from the waiting thread): the worker issues nothing more, and every wait raises
+    that first failure, not one from a collective issued afterwards on a group already torn
+    down (it once overwrote the first with "Group ... is not registered")."""
+    from zero_ext.sync import LaneQueue
+
+    issued = []
+
+    def issue(item, lane, slot):
+        issued.append(item)
+        raise ValueError("Group is not registered")
+
+    queue = LaneQueue([None, None], [0, 1, 2], issue, lambda item, buf: None, bounded=False)
+    queue.error = RuntimeError("peer lost")
+    queue.run_to_end()
+    assert issued == [], issued
+    with pytest.raises(RuntimeError, match="the params' exchange failed: peer lost"):
+        queue.wait_finished(2)
+
+
 def _exchange_failed_before_destroy(rank, world, cfg):
     """The last step's exchange failed (a peer lost, say) and the script ends with
     destroy_process_group: it destroys the groups, then raises the failure (the params that

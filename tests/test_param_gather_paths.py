@@ -34,8 +34,10 @@ def _steps(rank, ref_pair, cand_pair, first, n):
 
 
 def _in_flight(opt) -> bool:
-    queue = opt._param_gather.queue
-    return queue is not None and not queue.done
+    """The last step's exchange was left in flight and not yet waited for: the modules hold
+    their _PendingParams. (Whether the worker thread has already finished its collectives
+    is up to the scheduler, so it is not asked: the queue is cleared on this thread only.)"""
+    return opt._param_gather.queue is not None
 
 
 def _params_close(got, want, what, **tol):

@@ -394,7 +394,7 @@ class _Worker:
             queue.run_to_end()  # (its own errors are kept for the waiting thread)
             with self.cond:
                 self.jobs.pop(0)
-            queue = None  # (not held while idle)
+                queue = None  # (not held while idle, nor once the job is off the list)
 
 
 _WORKER = _Worker()

@@ -354,6 +354,7 @@ class LaneQueue:
                 from self.error
 
     def complete_all(self) -> None:
+        self._raise_kept()  # (nothing more issued once the exchange has failed)
         self.pump()
         self.complete_through(len(self.items) - 1)
 
@@ -362,8 +363,8 @@ class LaneQueue:
         try:
             self.complete_all()
         except BaseException as exc:  # noqa: BLE001 - raised in the waiting thread
-            with self.cond:
-                self.error = exc
+            with self.cond:  # (the first error is the one that says what went wrong)
+                self.error = self.error or exc
                 self.cond.notify_all()
 
     def wait_finished(self, k: int) -> None:

@@ -311,7 +311,9 @@ class LaneQueue:
         return self.finished == len(self.items)
 
     def pump(self) -> None:
-        """Issue every item the lanes have room for."""
+        """Issue every item the lanes have room for; nothing once the exchange has failed
+        (its failure is raised: a later collective may run on groups already torn down)."""
+        self._raise_kept()
         lanes = len(self.lanes)
         while self.issued < len(self.items) and (
                 not self.bounded or self.issued - self.finished < lanes):
@@ -354,7 +356,6 @@ class LaneQueue:
                 from self.error
 
     def complete_all(self) -> None:
-        self._raise_kept()  # (nothing more issued once the exchange has failed)
         self.pump()
         self.complete_through(len(self.items) - 1)
 

@@ -8,10 +8,10 @@ own params (``module._parameters``), as Megatron's distributed optimizer does
 (``overlap_param_gather``). Where the model computes (a GPU), the exchange hides behind
 the next forward instead of adding to the step.
 
-- The order: the first forward after the first step records, per rank, the order in which
-  modules' params are first used; the next step agrees on rank 0's order (one object
-  broadcast, once) and plans the exchange by it from then on. Until then steps exchange as
-  without the option.
+- The order (speed only, never what waits): the first forward after the first step
+  records, per rank, the order in which modules' params are first used; the next step
+  agrees on rank 0's order (one object broadcast, once) and plans the exchange by it from
+  then on. Until then steps exchange as without the option.
 - Transport: on NCCL every collective is issued at the step (a communicator runs its ops in
   issue order, on its own stream) and a waiting forward's stream waits on the collective's
   event, not the host. On gloo at most one collective per lane may be in flight (several
@@ -20,17 +20,27 @@ the next forward instead of adding to the step.
   this only (a rank whose main thread waits in another collective, such as DDP's buffer
   broadcast at the start of its forward, still completes the exchange that another rank
   waits for: rank 0 saving ``model.state_dict()`` after the step, say).
+- What waits (_WaitPlan), keyed on the params: every collective carries known params, and
+  an alias (`b.data = a.data`) travels as the param whose memory it shares. Any module's
+  forward, whether zero_ext has seen the module before or not, first waits through the last
+  collective carrying a param it holds (its ``_parameters``: by identity, or by memory for
+  a Parameter over a param's memory that the optimizer does not hold) or keeps for its
+  forward in its own tuples, lists or dicts (a wrapper's list of every param it wraps, as
+  DDP keeps, is bookkeeping, not a read: `_kept_reads`). So a module waits for its own
+  collectives and no more, and DDP's forward, the first one called, for none.
 - Nothing stale is read through a module: while the exchange is in flight, every module
-  holding its params has a `_PendingParams` in place of its ``_parameters``, and any read or
-  write of a value there waits for that module's collectives first (a module's forward,
-  state_dict, load_state_dict, parameters(), Module._apply's casts, pickling, deepcopy,
-  DDP's constructor and its final sync after a Join); the module gets its own dict back
-  then, and nothing of zero_ext's stays on it. Every method of the optimizer that reads or
-  writes params or state waits first (step, clip_grad_norm_, state_dict, load_state_dict,
-  consolidate_state_dict, add_param_group, checkpoint.save/load, Join), as do the DDP comm
-  hooks before their first collective. ``zero_grad()`` (the optimizer's, and torch's
-  Module.zero_grad) does not wait: it touches no param value, and it runs between step and
-  forward in nearly every training loop.
+  found holding its params (the tree of every module whose forward ran while recording or
+  in flight) has a `_PendingParams` in place of its ``_parameters``, and any read or write
+  of a value there waits for that module's collectives first (a parent's read of a child's
+  weight, state_dict, load_state_dict, parameters(), Module._apply's casts, pickling,
+  deepcopy, DDP's constructor and its final sync after a Join); the module gets its own
+  dict back then, and nothing of zero_ext's stays on it. Params no module was found holding
+  travel first, and the first forward after the step waits for them. Every method of the
+  optimizer that reads or writes params or state waits first (step, clip_grad_norm_,
+  state_dict, load_state_dict, consolidate_state_dict, add_param_group,
+  checkpoint.save/load, Join), as do the DDP comm hooks before their first collective.
+  ``zero_grad()`` (the optimizer's, and torch's Module.zero_grad) does not wait: it touches
+  no param value, and it runs between step and forward in nearly every training loop.
 - What no module sees, the script's reads or writes of params it holds itself (a list
   taken before the step, another optimizer's param_groups), must follow
   ``opt.wait_for_params()``, on every rank. A write there while the collectives carrying the
@@ -39,7 +49,9 @@ the next forward instead of adding to the step.
 from __future__ import annotations
 
 import atexit
+import bisect
 import copy
+import itertools
 import logging
 import os
 import sys
@@ -50,6 +62,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from . import sync
 from .sync import LaneQueue, backend_device
@@ -111,53 +124,27 @@ def _deactivate(gather: "ParamGather") -> None:
 
 @torch._disable_dynamo
 def _before_forward(module: torch.nn.Module, args) -> None:
-    if _RECORDING and _READS.outermost is None:
-        _READS.watch(module)
     for gather in list(_ACTIVE):
         gather.before_forward(module)
 
 
-# ParamGathers recording the forward's order of first use
-_RECORDING: "weakref.WeakSet[ParamGather]" = weakref.WeakSet()
+_REGISTRATION_HOOK = None
 
 
-class _AttributeReads:
-    """While a recorded forward runs (one forward after the first step, on the main
-    thread): every read of a param as a module attribute (`self.c.weight`), so that a param
-    that a parent's forward reads before calling the module holding it (`s =
-    self.c.weight.norm()`, then `self.c(x)`) is known; its module's own wait would come
-    too late. Module.__getattr__ is wrapped for that forward only; a forward hook that runs
-    even when the forward raises puts it back."""
-
-    def __init__(self):
-        self.outermost: torch.nn.Module | None = None
-        self.original = None
-        self.done_hook = None
-
-    def watch(self, module: torch.nn.Module) -> None:
-        self.outermost = module
-        self.original = original = torch.nn.Module.__getattr__
-
-        def getattr_watched(mod, name):
-            value = original(mod, name)
-            if isinstance(value, torch.nn.Parameter):
-                for gather in list(_RECORDING):
-                    gather.attribute_read(value)
-            return value
-
-        torch.nn.Module.__getattr__ = getattr_watched
-        self.done_hook = torch.nn.modules.module.register_module_forward_hook(
-            self._after_forward, always_call=True)
-
-    @torch._disable_dynamo
-    def _after_forward(self, module, args, output) -> None:
-        if module is self.outermost:
-            torch.nn.Module.__getattr__ = self.original
-            self.done_hook.remove()
-            self.outermost = self.original = self.done_hook = None
+def _watch_registrations() -> None:
+    """(once per process) A Parameter registered on a module a ParamGather has seen
+    (`module.weight = p`, `register_parameter`, `load_state_dict(assign=True)`) makes that
+    gather plan its waits again at its next step: what the module holds has changed."""
+    global _REGISTRATION_HOOK
+    if _REGISTRATION_HOOK is None:
+        _REGISTRATION_HOOK = torch.nn.modules.module.register_module_parameter_registration_hook(
+            _registered)
 
 
-_READS = _AttributeReads()
+def _registered(module: torch.nn.Module, name: str, param) -> None:
+    for gather in list(_ALL):
+        if module in gather._scanned:
+            gather.registered(module, param)
 
 
 class _PendingParams(dict):
@@ -298,9 +285,21 @@ class _PendingParams(dict):
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
 
-def _kept_params(module: torch.nn.Module):
-    """The params a module refers to from plain tuples, lists and dicts of its own
-    attributes (not its _parameters, buffers or submodules): one level deep."""
+def _kept_reads(module: torch.nn.Module) -> list:
+    """The params a module refers to from plain tuples, lists and dicts among its own
+    attributes (one level deep, not its _parameters, buffers or submodules), which its
+    forward may read before, or without, calling the module that holds them
+    (`self._pre = (self.pre.weight, self.pre.bias)`, then `F.linear(x, *self._pre)`).
+
+    Less a wrapper's bookkeeping, which its forward never reads: DDP's lists
+    (`_module_parameters`, `_delay_all_reduce_params`: its forward hands the wrapped
+    module's outputs to its reducer and reads grads only), and, in a module that holds no
+    param itself, a list of every param of the module tree it wraps. Counted as reads,
+    either would make the wrapper's forward, the first one called, wait for the whole
+    exchange."""
+    if isinstance(module, DistributedDataParallel):
+        return []
+    lists = []
     for name, value in vars(module).items():
         if name in _MODULE_INTERNALS:
             continue
@@ -308,9 +307,15 @@ def _kept_params(module: torch.nn.Module):
             value = value.values()
         elif not isinstance(value, (tuple, list)):
             continue
-        for q in value:
-            if isinstance(q, torch.nn.Parameter):
-                yield q
+        kept = [q for q in value if isinstance(q, torch.nn.Parameter)]
+        if kept:
+            lists.append(kept)
+    if lists and not any(p is not None for p in _plain(module).values()):
+        below = {id(p) for sub in module.modules() if sub is not module
+                 for p in _plain(sub).values() if p is not None}
+        lists = [kept for kept in lists
+                 if not (len(kept) >= 2 and below <= {id(q) for q in kept})]
+    return [q for kept in lists for q in kept]
 
 
 def _plain(module: torch.nn.Module) -> dict:
@@ -532,28 +537,120 @@ def _wait_at_exit() -> None:
             "zero_ext: the last step's params exchange failed at exit: %s", exc)
 
 
+class _WaitPlan:
+    """Which collectives of an exchange each module's forward waits for.
+
+    A param is carried by the items (collectives) whose pieces hold it; an alias (a param
+    over another's memory, `b.data = a.data`) by its first param's. A module waits through
+    the last item carrying any param it holds or keeps for its forward (_kept_reads);
+    found by identity, and for a param the optimizer does not hold, by memory: one that
+    overlaps a param in flight waits for that param's items. A module whose params reach
+    the last param of the recorded order waits for the whole exchange, so that no
+    exchange outlives its forward. Params no module was found holding (`loose`) are waited
+    for by the first forward after the step, whichever module it is."""
+
+    def __init__(self, key: tuple, gather: "ParamGather", params: list, params_of_items: list,
+                 alias_of: dict):
+        self.key = key
+        self._kept_of = gather._kept_of
+        self.size = len(params_of_items)
+        item_of: dict[int, int] = {}  # id(param) -> the last item carrying it
+        for k, pids in enumerate(params_of_items):
+            for pid in pids:
+                item_of[id(params[pid])] = k
+        self._spans: dict | None = None  # device -> sorted (start, end, item): by memory
+        self._exchanged = [(params[pid], k) for k, pids in enumerate(params_of_items)
+                           for pid in pids]
+        for pid, tied in alias_of.items():
+            if id(params[tied]) in item_of:
+                item_of[id(params[pid])] = item_of[id(params[tied])]
+        self.item_of = item_of
+        used = [item_of[id(params[pid])] for pid in (gather.positions or ())
+                if pid < len(params) and id(params[pid]) in item_of]
+        self.order_end = max(used) if used else self.size - 1
+        modules = list(gather.modules)
+        self.held = self.holds(modules)
+        reached = {id(p) for m in modules for p in itertools.chain(
+            _plain(m).values(), self._kept_of.get(m, ()))}
+        self.loose_end = max((k for k, pids in enumerate(params_of_items)
+                              if any(id(params[pid]) not in reached for pid in pids)),
+                             default=-1)
+
+    def made_for(self, key: tuple) -> bool:
+        """(items, number of params, the params' recorded memory, modules' generation)"""
+        mine = self.key
+        return (mine[0] is key[0] and mine[1] == key[1] and mine[2] is key[2]
+                and mine[3] == key[3])
+
+    def holds(self, modules: list) -> list:
+        """[weakref(module), the last item its forward waits for, its _PendingParams (made
+        at the first hold)] for every one of `modules` that reads params in flight."""
+        out = []
+        for module in modules:
+            k = self.need(module)
+            if k >= 0:
+                out.append([weakref.ref(module), k, None])
+        return out
+
+    def need(self, module: torch.nn.Module) -> int:
+        k = -1
+        for p in itertools.chain(_plain(module).values(), self._kept_of.get(module, ())):
+            if p is not None:
+                k = max(k, self.item(p))
+        if k >= self.order_end:  # past the recorded order: the rest too
+            k = self.size - 1
+        return k
+
+    def item(self, p: torch.Tensor) -> int:
+        """The last item carrying `p` (-1: none)."""
+        k = self.item_of.get(id(p))
+        if k is not None:
+            return k
+        if p.device.type == "meta" or p.numel() == 0:
+            return -1
+        if self._spans is None:
+            spans: dict = {}
+            for q, k in self._exchanged:
+                if q.numel():
+                    spans.setdefault(q.device, []).append((q.data_ptr(), _end(q), k))
+            self._spans = {d: sorted(v) for d, v in spans.items()}
+        spans = self._spans.get(p.device, ())
+        lo, hi = p.data_ptr(), _end(p)
+        i = max(bisect.bisect_right(spans, (lo, float("inf"))) - 1, 0)
+        k = -1
+        while i < len(spans) and spans[i][0] < hi:
+            if spans[i][1] > lo:
+                k = max(k, spans[i][2])
+            i += 1
+        return k
+
+
+def _end(t: torch.Tensor) -> int:
+    """The address past the last byte `t` reaches."""
+    reach = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr() + reach * t.element_size()
+
+
 class ParamGather:
     """One optimizer's exchange in flight, and the order it is issued in."""
 
     def __init__(self, zero):
         _ALL.add(self)
+        _watch_registrations()
         self._zero = weakref.ref(zero)
         self.queue: LaneQueue | None = None
         self.threaded = False         # the worker thread drives `queue` (gloo)
-        self.order_end = -1           # the item of the last param the forward uses
         self.positions: dict[int, int] | None = None  # param index -> first use (agreed)
-        self.unclaimed: set = set()   # params the forward reads outside module hooks
-        self.first_end = -1           # the last item carrying such params held by no module
-        self.recorded: list | None = None  # id(param) in first-use order, while recording
+        self.recorded: list | None = None  # param indices in first-use order, while recording
         self._seen: set = set()
-        self._read_early: set = set()  # read before its module's forward: as an
-        #                                 attribute, or kept by a module (_kept_params)
-        self.ids: set = set()         # id of every param of the optimizer
-        self.modules: "weakref.WeakSet" = weakref.WeakSet()  # modules holding the params
-        self._scanned: "weakref.WeakSet" = weakref.WeakSet()  # their trees searched
-        self.held: list = []          # their _PendingParams while the exchange is in flight
+        self._pid_of: dict = {}       # (recording) id(param) -> the param carrying it
+        self.modules: "weakref.WeakSet" = weakref.WeakSet()  # modules found holding params
+        self._scanned: "weakref.WeakSet" = weakref.WeakSet()  # modules found (any)
+        self._kept_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._generation = 0          # moves when modules are found or given params
+        self.waits: _WaitPlan | None = None  # the current exchange plan's waits
+        self.held: list = []          # _PendingParams of modules while in flight
         self.written: int | None = None  # a param written by another hand meanwhile
-        self._plan: tuple | None = None  # the waits of the current exchange plan
         self.lanes: list | None = None  # gloo: the exchange's own groups
         self.lane_count = 1           # lanes for all-gathers (agreed: alike on every rank)
         self.gathers = False          # (gloo) the last exchange was of all-gathers
@@ -570,61 +667,59 @@ class ParamGather:
 
     def begin_recording(self) -> None:
         if self.positions is None and self.recorded is None:
-            self.recorded, self._seen, self._read_early = [], set(), set()
-            self.ids = {id(p) for p in self._zero().hook_seam.params}
-            # (searched again: add_param_group may have brought params of modules that
-            # held none of the optimizer's before)
+            zero = self._zero()
+            alias_of = zero.plan.alias_of
+            self.recorded, self._seen = [], set()
+            self._pid_of = {id(p): alias_of.get(i, i)
+                            for i, p in enumerate(zero.hook_seam.params)}
+            # (modules searched again: their kept references may have changed)
             self._scanned = weakref.WeakSet()
-            self._plan = None
-            _RECORDING.add(self)
+            self.waits = None
             _activate(self)
-
-    def attribute_read(self, p: torch.Tensor) -> None:
-        """(recording) A param read as a module attribute: before its own module's
-        forward began, it is waited for at the forward's first module."""
-        if self.recorded is not None and id(p) in self.ids and id(p) not in self._seen:
-            self._read_early.add(id(p))
 
     def forget_order(self) -> None:
         """(add_param_group, on every rank) The next step exchanges as without the option
         and the forward after it records the order again, the new params included."""
-        self.positions, self.unclaimed, self.recorded = None, set(), None
-        self._plan = None
-        _RECORDING.discard(self)
+        self.positions, self.recorded, self.waits = None, None, None
         if self.queue is None:  # (a recording under way stops too)
             _deactivate(self)
+
+    def _record(self, module: torch.nn.Module) -> None:
+        """(recording) The params this module's forward may read, in first-use order."""
+        for p in itertools.chain(_plain(module).values(), self._kept_of.get(module, ())):
+            pid = self._pid_of.get(id(p))
+            if pid is not None and pid not in self._seen:
+                self._seen.add(pid)
+                self.recorded.append(pid)
 
     def agree_order(self) -> None:
         """(Collective, at a step, alike on every rank: recording began at the same step
         everywhere.) Rank 0's recorded order, as param indices, becomes every rank's.
-
-        Params that no module called in the recorded forward holds directly (read by a
-        parent's own forward, `x @ self.child.weight`, by functional code, or not read in
-        that forward at all but perhaps in a later one) come first, and the forward's first
-        module waits for them: no module hook would."""
+        Params that no forward read through a module (read by functional code, or not at
+        all that time) go first: where they are read is not known. An alias travels as the
+        param whose memory it shares."""
         if self.positions is not None or self.recorded is None:
             return
         zero = self._zero()
-        index = zero.hook_seam.param_index()
-        claimed = [index[i] for i in self.recorded if i in index and i not in self._read_early]
-        seen = set(claimed)
-        unclaimed = [pid for pid in range(len(zero.hook_seam.params)) if pid not in seen]
-        mine = (unclaimed, claimed)
-        self.recorded = None
-        _RECORDING.discard(self)
+        recorded, self.recorded = self.recorded, None
         if self.queue is None:
             _deactivate(self)
         group = zero.process_group
         if zero.world_size > 1:
-            box = [mine if zero.rank == 0 else None]
+            box = [recorded if zero.rank == 0 else None]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group or
                                                                      dist.group.WORLD, 0),
                                        group=group, device=backend_device(group))
-            mine = box[0]
-        unclaimed, claimed = mine
-        self.unclaimed = set(unclaimed)
-        self.positions = {pid: k for k, pid in enumerate(unclaimed + claimed)}
-        self._plan = None
+            recorded = box[0]
+        alias_of = zero.plan.alias_of
+        seen = set(recorded)
+        first = [pid for pid in range(len(zero.hook_seam.params))
+                 if pid not in seen and pid not in alias_of]
+        self.positions = {pid: k for k, pid in enumerate(first + recorded)}
+        for pid, tied in alias_of.items():
+            if tied in self.positions:
+                self.positions[pid] = self.positions[tied]
+        self.waits = None
 
     def transport(self, exchanger, items: int, gathers: bool) -> tuple[list, bool]:
         """(the groups the exchange travels on, whether at most one op per group may be in
@@ -675,16 +770,16 @@ class ParamGather:
             self._finished()
             return
         params = zero.hook_seam.params
-        plan = self._plan
-        # (one per exchange plan: the plan's items are the same list while it holds; the
-        # order and the modules change only at a recording, which drops it)
-        if plan is None or plan[0] is not queue.items or plan[1] != len(params):
-            plan = self._plan = (queue.items, len(params),
-                                 *self._plan_waits(params, params_of_items))
-        _, _, self.order_end, self.first_end, needs = plan
+        # (one per exchange plan: the same items while the layout, the params' memory, the
+        # order and the modules found stay as they are)
+        key = (queue.items, len(params), zero._replicas._ptrs, self._generation)
+        waits = self.waits
+        if waits is None or not waits.made_for(key):
+            waits = self.waits = _WaitPlan(key, self, params, params_of_items,
+                                           zero.plan.alias_of)
         self.threaded = queue.bounded
         self._watch_writes(queue, params, params_of_items)
-        self._hold_modules(needs)
+        self._hold_modules(waits.held)
         guard_shutdown()
         _IN_FLIGHT.add(self)
         if self.threaded:
@@ -694,73 +789,63 @@ class ParamGather:
         _activate(self)
 
     def before_forward(self, module: torch.nn.Module) -> None:
+        """(every module's forward, while recording or in flight) A module seen for the
+        first time gets its tree searched; then the module waits for the collectives
+        carrying the params it holds (its _PendingParams), and the first forward after the
+        step for those carrying params no module was found holding."""
+        if module not in self._scanned:
+            self._discover(module)
         if self.recorded is not None:
-            for p in _plain(module).values():
-                if p is not None and id(p) in self.ids:
-                    self.modules.add(module)  # (it claims its params: it waits for them)
-                    if id(p) not in self._seen:
-                        self._seen.add(id(p))
-                        self.recorded.append(id(p))
-            # every module below the outermost one called that holds the params waits from
-            # then on, also one whose forward never runs (read by its parent: F.linear(x,
-            # self.head.weight)), for whatever reads its params (_PendingParams)
-            if module not in self._scanned:
-                for sub in module.modules():
-                    self._scanned.add(sub)
-                    if any(q is not None and id(q) in self.ids
-                           for q in _plain(sub).values()):
-                        self.modules.add(sub)
-                    # params a module keeps references to outside its own _parameters
-                    # (`self._post = (self.post.weight, self.post.bias)`, then
-                    # `F.linear(x, *self._post)`) may be read before the module holding
-                    # them runs, even if it runs later in the same forward: read early
-                    self._read_early.update(id(q) for q in _kept_params(sub)
-                                            if id(q) in self.ids)
-        queue = self.queue
-        if queue is None:
+            self._record(module)
+        queue, waits = self.queue, self.waits
+        if queue is None or waits is None:
             return
-        if queue.finished <= self.first_end:
-            # the forward's first module, whichever: params no module it knows holds
-            self._wait_through(self.first_end, by_forward=True)
+        if queue.finished <= waits.loose_end:
+            self._wait_through(waits.loose_end, by_forward=True)
+            if self.queue is None:
+                return
         held = module.__dict__.get("_parameters")
         if type(held) is _PendingParams and self in held.needs:
             held.settle(by_forward=True)
 
-    def _plan_waits(self, params: list, params_of_items: list) -> tuple:
-        """(order_end: the item of the last param the forward uses, first_end: the last
-        item carrying params no module hook claims, [(module, the last item carrying its
-        params)] for every module known to hold them)."""
-        last_item: dict[int, int] = {}  # id(param) -> the last item carrying it
-        for k, pids in enumerate(params_of_items):
-            for pid in pids:
-                last_item[id(params[pid])] = k
-        used = [last_item[id(params[pid])] for pid in self.positions
-                if pid < len(params) and id(params[pid]) in last_item]
-        order_end = max(used) if used else len(params_of_items) - 1
-        # the forward's first module waits for every param no module hook claims, also
-        # those a known module holds: a forward may read them without going through that
-        # module at all (a reference kept in a tuple, `F.linear(x, *self._pre)`). They come
-        # first in the order, so this wait is for the head of the exchange.
-        loose = {pid for pid in self.unclaimed if pid < len(params)}
-        first_end = max((k for k, pids in enumerate(params_of_items)
-                         if loose.intersection(pids)), default=-1)
-        needs = []
-        for module in list(self.modules):
-            need = max((last_item.get(id(p), -1) for p in _plain(module).values()
-                        if p is not None), default=-1)
-            if need >= 0:
-                # past its last param in the recorded order, the forward completes the
-                # rest too (params it does not use): no rank's exchange outlives its forward
-                needs.append([weakref.ref(module),
-                              len(params_of_items) - 1 if need >= order_end else need,
-                              None])  # (its _PendingParams, made once, filled at each step)
-        return order_end, first_end, needs
+    def _discover(self, module: torch.nn.Module) -> None:
+        """Every module of `module`'s tree not searched before: those holding params, or
+        keeping references to params (_kept_reads), are known from now on. While an
+        exchange is in flight they are held at once (a module called for the first time
+        after the step: an eval head sharing the model's embedding)."""
+        found = []
+        for sub in module.modules():
+            if sub in self._scanned:
+                continue
+            self._scanned.add(sub)
+            kept = _kept_reads(sub)
+            if kept:
+                self._kept_of[sub] = kept
+            if kept or any(p is not None for p in _plain(sub).values()):
+                self.modules.add(sub)
+                found.append(sub)
+        if found:
+            self._generation += 1
+            if self.queue is not None:
+                self._hold_modules(self.waits.holds(found))
 
-    def _hold_modules(self, needs: list) -> None:
-        """Every module known to hold the params gets a _PendingParams in place of its
-        `_parameters` until the collectives carrying them have finished: whatever reads or
-        writes them through the module waits for them first."""
-        for entry in needs:
+    def registered(self, module: torch.nn.Module, param) -> None:
+        """A Parameter registered on a module found before (an eval head tied to the
+        embedding after it ran on its own weight): the waits are planned again at the next
+        step, and one whose exchange is in flight now is waited for at once (the waits in
+        flight were planned without it)."""
+        self.modules.add(module)
+        self._generation += 1
+        if self.queue is not None and isinstance(param, torch.Tensor):
+            k = self.waits.item(param)
+            if k >= 0:
+                self._wait_through(k)
+
+    def _hold_modules(self, entries: list) -> None:
+        """Every module whose forward reads params in flight gets a _PendingParams in
+        place of its `_parameters` until the collectives carrying them have finished:
+        whatever reads or writes them through the module waits for them first."""
+        for entry in entries:
             module = entry[0]()
             if module is None:
                 continue

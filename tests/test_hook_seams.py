@@ -363,6 +363,102 @@ def test_a_param_without_elements(sharding):
     _same_everywhere(run_world(_empty_param, 2, sharding))
 
 
+# ------------------------------------------------------------------ two DDP models
+
+CLIP_AT = 2  # (DDP's first iteration all-reduces: its grads are whole, torch's clip is right)
+
+
+def _two_models(rank, world, sharding, when):
+    """An encoder and a head, each in its own DDP with the hook, under one optimizer; each
+    iteration runs the encoder's backward, then the head's (on the encoder's output,
+    detached). At iteration CLIP_AT the script clips the encoder's grads with torch's
+    clip_grad_norm_(..., 0.05), `when` = "between" the two backwards or "after" both: those
+    grads are partial (reduced to their owners) and were recorded by an earlier backward
+    than the last one. The step must raise on every rank with nothing stepped; the script
+    then zeroes the grads and goes on, equal to DDP + torch.optim.AdamW (which skips that
+    iteration too) after every step. Returns (error, untouched, how far a step that did
+    not raise landed from DDP + AdamW given the same clip, the reference's encoder norm)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    def models():
+        enc = _Net()
+        torch.manual_seed(1)
+        return enc, torch.nn.Linear(5, 3)
+
+    def params(enc, head):
+        return list(enc.parameters()) + list(head.parameters())
+
+    def groups(enc, head):  # the decay / no-decay dicts of a real script, over both models
+        ps = params(enc, head)
+        return [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
+
+    cand, ref = models(), models()
+    c_ddp = [DDP(m, bucket_cap_mb=SMALL) for m in cand]
+    r_ddp = [DDP(m, bucket_cap_mb=SMALL) for m in ref]
+    opt = ZeroRedundancyOptimizer(groups(*cand), torch.optim.AdamW, sharding=sharding, **HP)
+    for d in c_ddp:
+        d.register_comm_hook(opt, reduce_scatter_hook)
+    o_ref = torch.optim.AdamW(groups(*ref), **HP)
+
+    def backward(ddps, mods, it, clip):
+        enc, head = ddps
+        h = enc(_batch(rank, it))
+        (h.square().mean() * 0.1).backward()
+        norm = None
+        if clip and when == "between":
+            norm = torch.nn.utils.clip_grad_norm_(mods[0].parameters(), 0.05)
+        head(h.detach()).square().mean().backward()
+        if clip and when == "after":
+            norm = torch.nn.utils.clip_grad_norm_(mods[0].parameters(), 0.05)
+        return norm
+
+    err, untouched, silent, ref_norm = None, None, None, None
+    for it in range(CLIP_AT + 3):
+        clip = it == CLIP_AT
+        backward(c_ddp, cand, it, clip)
+        before = [p.detach().clone() for p in params(*cand)]
+        e = error_of(opt.step)
+        if clip:
+            err = e
+            untouched = all(torch.equal(a, b) for a, b in zip(before, params(*cand)))
+            ref_norm = float(backward(r_ddp, ref, it, clip))  # (DDP's whole grads)
+            if e is None:  # what the step read: compare with the same clip of whole grads
+                o_ref.step()
+                silent = max(float((a - b).abs().max())
+                             for a, b in zip(params(*ref), params(*cand)))
+        else:
+            assert e is None, f"iteration {it}: {e}"
+            backward(r_ddp, ref, it, clip)
+            o_ref.step()
+            for a, b in zip(params(*ref), params(*cand)):
+                torch.testing.assert_close(b.detach(), a.detach(), **TOL,
+                                           msg=lambda m, it=it: f"iteration {it}: {m}")
+        opt.zero_grad()
+        o_ref.zero_grad()
+        if clip and e is None:
+            break  # (the two sides part ways here)
+    return err, untouched, silent, ref_norm
+
+
+@pytest.mark.parametrize("sharding,when", [("flat", "between"), ("flat", "after"),
+                                           ("param", "between"), ("even", "after")])
+def test_torch_clip_of_an_earlier_models_grads_raises(sharding, when):
+    """Two DDP models under one optimizer: torch's clip of the first model's partial grads,
+    between the two backwards or after both, is caught at the step on every rank, however
+    many backwards recorded grads after it. (A record that kept only the last backward's
+    grads stepped the clipped partial grads silently: 5.6e-4 from DDP + AdamW.)"""
+    for err, untouched, silent, ref_norm in run_world(_two_models, 2, sharding, when):
+        assert ref_norm > 0.05, ref_norm  # (the clip changes the grads)
+        assert err is not None, (
+            f"the step read clipped partial grads without an error: {silent:.1e} from DDP + "
+            "AdamW given the same clip")
+        assert err[0] == "RuntimeError" and "clip_grad_norm_" in err[1], err
+        assert untouched
+
 
 # ------------------------------------------------------------------ the one seam
 

@@ -1,0 +1,206 @@
+"""Hyperparameters a script changes between steps, through FusedAdamW and through
+ZeroRedundancyOptimizer's fused step, against torch.optim.AdamW given the same changes.
+
+A script may set any key of a param group between two steps (a scheduler for lr or betas,
+a weight-decay ramp, a warm-up of eps, a phase that maximizes, amsgrad switched off and on
+again, a group flag such as ``differentiable``). The fused step keeps its kernel call as a
+compiled plan from step to step (csrc/fused_adamw_plan.cpp) and must read every group's
+hyperparameters afresh at each step: here each key is changed on its own, then all of them at
+once with different values per group, on three groups of params of uneven sizes, and the
+params must equal torch's after every step. Each case also checks that a plan built before a
+change served the step after it (else a plan that keeps stale values would go unseen).
+
+Cases: lr (floats, then tensors), betas (both), eps, weight_decay (0.1 -> 0.8 over the run),
+maximize (on, then off), amsgrad (a group that started with it: off, then on again: torch
+keeps its max_exp_avg_sq meanwhile), differentiable (a group flag torch accepts between
+steps; ZeRO then steps that group through torch's own AdamW), and all together.
+``capturable`` set between steps is refused by torch.optim.AdamW itself on CPU params (and on
+CUDA params whose step counts live on the CPU): there is nothing to compare with.
+
+Tolerances: fp32 atol 1e-6, rtol 1e-5 after every one of 8 steps on the CPU (the kernel and
+torch's for-loop differ in the last ulp; docs/design.md, "AdamW arithmetic"); a stale eps,
+weight decay or maximize moves params by 1e-4 to 1e-2 here. The CUDA variants
+(tests/test_zero_cuda.py) use atol/rtol 1e-5, as that file does.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from _dist import clones, fake_grads, gloo_available, make_params, run_specs
+from zero_ext import FusedAdamW
+from zero_ext.kernels import adamw as K
+from zero_ext.kernels import native_available
+
+CPU_TOL = dict(atol=1e-6, rtol=1e-5)
+CUDA_TOL = dict(atol=1e-5, rtol=1e-5)
+STEPS = 8
+# uneven sizes: flat sharding splits some params between ranks (segments that are runs of a
+# larger grad), and a 4097-element param takes the kernel's vector path and its tail
+SHAPES = [(33, 7), (4097,), (5,), (16, 3), (129,), (1,)]
+GROUPS = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+          dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0, amsgrad=True),
+          dict(lr=5e-3, betas=(0.5, 0.9), eps=1e-8, weight_decay=0.5)]
+CASES = ["lr", "lr-tensor", "betas", "eps", "weight_decay", "maximize", "amsgrad",
+         "differentiable", "all"]
+# where the fused plan is not expected to serve the steps after a change: an amsgrad flip
+# changes which state tensors the kernel reads (a new plan), and ZeRO hands a differentiable
+# group to torch's own AdamW
+NO_REUSE = {"amsgrad": ("fused", "zero"), "differentiable": ("zero",)}
+
+
+def groups_of(params):
+    return [dict(GROUPS[0], params=params[0:2]), dict(GROUPS[1], params=params[2:4]),
+            dict(GROUPS[2], params=params[4:6])]
+
+
+def change(case: str, groups: list, it: int) -> None:
+    """What the script does to `groups` after step `it` (the same to both optimizers)."""
+    for gi, g in enumerate(groups):
+        if case in ("lr", "all"):
+            g["lr"] = float(g["lr"]) * (0.7 if (it + gi) % 2 else 1.3)
+        if case == "lr-tensor":  # (a scheduler on a tensor lr)
+            g["lr"] = torch.tensor(float(g["lr"]) * (0.7 if (it + gi) % 2 else 1.3))
+        if case in ("betas", "all"):
+            b1, b2 = g["betas"]
+            g["betas"] = (b1 - 0.04 * (gi + 1), b2 - 0.01 * (gi + 1) * (it % 2))
+        if case in ("eps", "all") and it in (2, 5):
+            g["eps"] = (1e-1, 1e-3, 3e-2)[gi] if it == 2 else 1e-8
+        if case in ("weight_decay", "all"):  # a ramp from 0.1 to 0.8 (every group)
+            g["weight_decay"] = 0.1 + 0.7 * (it + 1) / (STEPS - 1) + 0.05 * gi
+        if case in ("maximize", "all") and it in (2, 5):  # on after step 2, off after 5
+            g["maximize"] = it == 2 and not (case == "all" and gi == 1)
+        if case in ("amsgrad", "all") and it in (2, 5) and gi == 1:
+            g["amsgrad"] = it == 5  # (torch has no max_exp_avg_sq for a group without it)
+        if case == "differentiable" and it == 2 and gi == 0:
+            g["differentiable"] = True
+
+
+def change_steps(case: str) -> list:
+    """The steps after which `change` changes something in `case`."""
+    if case in ("eps", "maximize", "amsgrad"):
+        return [2, 5]
+    if case == "differentiable":
+        return [2]
+    return list(range(STEPS - 1))
+
+
+class PlanRuns:
+    """Which compiled plans ran at each step (FusedAdamWPlan.run wrapped, in this process)."""
+
+    def __init__(self):
+        self.by_step: list = []
+
+    @contextlib.contextmanager
+    def watching(self):
+        real = K.FusedAdamWPlan.run
+        runs = self
+
+        def run(plan, *args, **kwargs):
+            runs.by_step[-1].append(plan)
+            return real(plan, *args, **kwargs)
+
+        K.FusedAdamWPlan.run = run
+        try:
+            yield self
+        finally:
+            K.FusedAdamWPlan.run = real
+
+    def reused_after(self, steps) -> list:
+        """The change steps after which the next step ran a plan that had run before."""
+        return [c for c in steps if c + 1 < len(self.by_step) and any(
+            any(p is q for q in self.by_step[c]) for p in self.by_step[c + 1])]
+
+
+def _grads(params, it, device):
+    cpu = [torch.empty(p.shape, requires_grad=True) for p in params]
+    fake_grads(cpu, it, seed=44)
+    for p, c in zip(params, cpu):
+        p.grad = c.grad.to(device)
+
+
+def train_with_changes(case: str, device: str, tol: dict, sharding=None, pg=None) -> dict:
+    """8 steps of the candidate (FusedAdamW when `sharding` is None, else
+    ZeroRedundancyOptimizer(AdamW, sharding=...) on `pg`) and of torch.optim.AdamW (for-loop)
+    on clones, `change` applied to both between steps. Raises AssertionError at the first
+    step whose params differ beyond `tol`; returns the largest difference seen and which
+    change steps a kept plan served."""
+    params = [p.detach().to(device).requires_grad_() for p in make_params(SHAPES, seed=4)]
+    ref = clones(params)
+    if sharding is None:
+        opt = FusedAdamW(groups_of(params))
+    else:
+        from zero_ext import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(groups_of(params), torch.optim.AdamW, process_group=pg,
+                                      sharding=sharding)
+    ropt = torch.optim.AdamW(groups_of(ref), foreach=False)
+    worst = 0.0
+    runs = PlanRuns()
+    with runs.watching():
+        for it in range(STEPS):
+            _grads(params, it, device)
+            _grads(ref, it, device)
+            runs.by_step.append([])
+            opt.step()
+            ropt.step()
+            for k, (a, b) in enumerate(zip(params, ref)):
+                worst = max(worst, float((a.detach() - b.detach()).abs().max()))
+                torch.testing.assert_close(
+                    a.detach(), b.detach(), **tol,
+                    msg=lambda m, k=k, it=it: f"{case}: param {k} after step {it}: {m}")
+            change(case, opt.param_groups, it)
+            change(case, ropt.param_groups, it)
+    return {"worst": worst, "reused": runs.reused_after(change_steps(case))}
+
+
+def check_reuse(case, res, who):
+    if who in NO_REUSE.get(case, ()):
+        return
+    # the test means something only where a plan built before a change ran after it
+    assert res["reused"], f"{case}: no plan built before a change served the next step"
+
+
+def need_plan(device: str) -> None:
+    if not native_available("fused_adamw_", device) or K._plan_class(torch.device(device)) is None:
+        pytest.skip(f"no compiled fused AdamW plan on {device}")
+
+
+# ------------------------------------------------------------------ FusedAdamW
+
+@pytest.mark.parametrize("case", CASES)
+def test_fused_adamw_follows_group_changes_between_steps(case):
+    need_plan("cpu")
+    res = train_with_changes(case, "cpu", CPU_TOL)
+    check_reuse(case, res, "fused")
+
+
+# ------------------------------------------------------------------ ZeRO's fused step
+
+def zero_case(spec, ctx):
+    """One rank's run of (case, sharding, device) under ZeroRedundancyOptimizer."""
+    case, sharding, device = spec
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    tol = CUDA_TOL if device == "cuda" else CPU_TOL
+    return train_with_changes(case, device, tol, sharding=sharding, pg=ctx.pg)
+
+
+ZERO_SPECS = [(case, sharding) for sharding in ("param", "flat") for case in CASES]
+
+
+@pytest.fixture(scope="module")
+def zero_world():
+    if not gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    need_plan("cpu")
+    return run_specs(2, zero_case, [(c, s, "cpu") for c, s in ZERO_SPECS])
+
+
+@pytest.mark.parametrize("case,sharding", ZERO_SPECS, ids=[f"{s}-{c}" for c, s in ZERO_SPECS])
+def test_zero_fused_step_follows_group_changes_between_steps(zero_world, case, sharding):
+    values = zero_world.values(f"spec{ZERO_SPECS.index((case, sharding))}")
+    for res in values:  # (each rank compared its params with torch's after every step)
+        check_reuse(case, res, "zero")

@@ -15,7 +15,9 @@ maximize (on, then off), amsgrad (a group that started with it: off, then on aga
 keeps its max_exp_avg_sq meanwhile), differentiable (a group flag torch accepts between
 steps; ZeRO then steps that group through torch's own AdamW), and all together.
 ``capturable`` set between steps is refused by torch.optim.AdamW itself on CPU params (and on
-CUDA params whose step counts live on the CPU): there is nothing to compare with.
+CUDA params whose step counts live on the CPU): there are no values to compare, and the
+tests at the end of the file compare the refusal instead (with ``decoupled_weight_decay``
+turned off, which the fused step cannot honour).
 
 Tolerances: fp32 atol 1e-6, rtol 1e-5 after every one of 8 steps on the CPU (the kernel and
 torch's for-loop differ in the last ulp; docs/design.md, "AdamW arithmetic"); a stale eps,
@@ -29,7 +31,7 @@ import contextlib
 import pytest
 import torch
 
-from _dist import clones, fake_grads, gloo_available, make_params, run_specs
+from _dist import clones, detached, fake_grads, gloo_available, make_params, run_specs
 from zero_ext import FusedAdamW
 from zero_ext.kernels import adamw as K
 from zero_ext.kernels import native_available
@@ -204,3 +206,133 @@ def test_zero_fused_step_follows_group_changes_between_steps(zero_world, case, s
     values = zero_world.values(f"spec{ZERO_SPECS.index((case, sharding))}")
     for res in values:  # (each rank compared its params with torch's after every step)
         check_reuse(case, res, "zero")
+
+
+# ------------------------------------------------------------------ keys the fused step cannot honour
+# A group key set between steps that the fused step cannot honour is refused as torch refuses
+# it where torch does (same exception type), else as FusedAdamW refuses it at construction or
+# in add_param_group; the message names the key and the group, and nothing is stepped: params
+# and every state entry (step counts too) unchanged, no state made for params stepping for the
+# first time. (torch.optim.AdamW steps group after group, so when the refused group is not the
+# first it has stepped the ones before it: it is compared with on its exception only, and the
+# run that goes on after the key is set back is compared with a torch run that never took the
+# refused step.)
+
+def _state_of(opt, params) -> list:
+    return [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+             for k, v in opt.state[p].items()} if p in opt.state else None for p in params]
+
+
+def _assert_nothing_stepped(opt, params, before_params, before_state, what):
+    for k, (p, b) in enumerate(zip(params, before_params)):
+        assert torch.equal(p.detach(), b), f"{what}: param {k} changed"
+    after = _state_of(opt, params)
+    for k, (a, b) in enumerate(zip(after, before_state)):
+        if b is None:  # (a param that has never stepped: still no state)
+            assert not a, f"{what}: state made for param {k}: {sorted(a)}"
+            continue
+        assert a is not None and sorted(a) == sorted(b), f"{what}: param {k}'s state entries"
+        for name in b:
+            assert torch.equal(torch.as_tensor(a[name]), torch.as_tensor(b[name])), \
+                f"{what}: param {k}'s state {name!r} changed"
+
+
+def _refused_run(key: str, value, gi: int, torch_raises: bool):
+    """Two steps of FusedAdamW and of torch.optim.AdamW (plus a group of fresh params added
+    after the first), then `key` = `value` on group `gi` of both: FusedAdamW's third step must
+    raise with nothing stepped. Returns (FusedAdamW's exception, torch's or None, and a
+    function that sets the key back and checks that the run goes on equal to torch's)."""
+    ours = [p.detach().requires_grad_() for p in make_params(SHAPES + [(6,), (3, 3)], seed=4)]
+    theirs, theirs_refused = clones(ours), clones(ours)
+    opt = FusedAdamW(groups_of(ours[:6]))
+    ref = torch.optim.AdamW(groups_of(theirs[:6]), foreach=False)
+    ref_refused = torch.optim.AdamW(groups_of(theirs_refused[:6]), foreach=False)
+    for it in range(2):
+        for ps in (ours, theirs, theirs_refused):
+            _grads(ps[:6], it, "cpu")
+        for o in (opt, ref, ref_refused):
+            o.step()
+    for o, ps in ((opt, ours), (ref, theirs), (ref_refused, theirs_refused)):
+        o.add_param_group(dict(lr=2e-3, params=ps[6:]))  # state made at their first step
+    for o in (opt, ref_refused):  # (ref: the torch run that never takes the refused step)
+        o.param_groups[gi][key] = value
+    for ps in (ours, theirs, theirs_refused):
+        _grads(ps, 2, "cpu")
+    want = None
+    if torch_raises:
+        with pytest.raises(Exception) as caught:
+            ref_refused.step()
+        want = caught.value
+    else:
+        ref_refused.step()  # (torch honours it: no error to compare with)
+    before_params, before_state = detached(ours), _state_of(opt, ours)
+    with pytest.raises(Exception) as caught:
+        opt.step()
+    got = caught.value
+    _assert_nothing_stepped(opt, ours, before_params, before_state, f"{key} on group {gi}")
+
+    def goes_on(default):
+        opt.param_groups[gi][key] = default
+        for it in range(2, 5):  # (step 2's grads again first: the refused step's)
+            if it > 2:
+                _grads(ours, it, "cpu")
+                _grads(theirs, it, "cpu")
+            opt.step()
+            ref.step()
+            for k, (a, b) in enumerate(zip(ours, theirs)):
+                torch.testing.assert_close(a.detach(), b.detach(), **CPU_TOL,
+                                           msg=lambda m, k=k, it=it: f"param {k}, step {it}: {m}")
+
+    return got, want, goes_on
+
+
+@pytest.mark.parametrize("gi", [0, 2])
+def test_capturable_set_between_steps_raises_as_torch_does(gi):
+    """capturable=True set on a CPU group between steps: torch.optim.AdamW raises an
+    AssertionError (its params and step counts must be on a capturable device); FusedAdamW
+    raises the same type, names the key and the group, and steps nothing. A capturable group
+    whose params have no grad this step is not stepped, so neither raises; set back, the run
+    goes on equal to torch's."""
+    got, want, goes_on = _refused_run("capturable", True, gi, torch_raises=True)
+    assert isinstance(want, AssertionError), want  # (torch's own behaviour, as documented)
+    assert type(got) is type(want), f"FusedAdamW raised {type(got).__name__}: {got}"
+    assert "capturable" in str(got) and f"param group {gi}" in str(got), str(got)
+    goes_on(False)
+
+
+def test_capturable_group_without_grads_steps_as_torch_does():
+    """torch checks capturable on the params it steps only: a capturable group whose params
+    have no grad does not stop the step of the others, in torch and in FusedAdamW alike."""
+    ours = [p.detach().requires_grad_() for p in make_params(SHAPES, seed=4)]
+    theirs = clones(ours)
+    opt = FusedAdamW(groups_of(ours))
+    ref = torch.optim.AdamW(groups_of(theirs), foreach=False)
+    for it in range(4):
+        for ps in (ours, theirs):
+            _grads(ps, it, "cpu")
+            if it >= 2:
+                ps[2].grad = ps[3].grad = None  # group 1's params
+        for o in (opt, ref):
+            o.param_groups[1]["capturable"] = it >= 2
+            o.step()
+        for k, (a, b) in enumerate(zip(ours, theirs)):
+            torch.testing.assert_close(a.detach(), b.detach(), **CPU_TOL)
+
+
+@pytest.mark.parametrize("gi", [0, 2])
+def test_decoupled_weight_decay_off_between_steps_is_refused(gi):
+    """decoupled_weight_decay=False set between steps: torch (>= 2.7, where AdamW keeps the
+    key) honours it with L2 weight decay; the fused step is decoupled only, so FusedAdamW
+    refuses it as its add_param_group does (ValueError naming the key), nothing stepped,
+    instead of stepping decoupled weight decay silently. Set back, the run goes on equal to
+    torch's."""
+    if "decoupled_weight_decay" not in torch.optim.AdamW([torch.zeros(1)]).defaults:
+        pytest.skip("this torch's AdamW has no decoupled_weight_decay key")
+    got, _, goes_on = _refused_run("decoupled_weight_decay", False, gi, torch_raises=False)
+    with pytest.raises(Exception) as at_add:
+        FusedAdamW([torch.zeros(1, requires_grad=True)]).add_param_group(
+            dict(params=[torch.zeros(1, requires_grad=True)], decoupled_weight_decay=False))
+    assert type(got) is type(at_add.value) is ValueError, f"{type(got).__name__}: {got}"
+    assert "decoupled_weight_decay" in str(got) and f"param group {gi}" in str(got), str(got)
+    goes_on(True)
+

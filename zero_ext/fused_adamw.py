@@ -86,6 +86,62 @@ def fused_path_supported(optimizer_class, defaults_or_group: Dict[str, Any]) -> 
     return True
 
 
+def _capturable_devices() -> list:
+    """The device types torch.optim.AdamW's capturable step accepts (its own list)."""
+    try:
+        from torch.optim.optimizer import _get_capturable_supported_devices
+        return _get_capturable_supported_devices()
+    except ImportError:  # (a torch without the helper: its list as of 2.14)
+        return ["cuda", "xpu", "hpu", "xla"]
+
+
+def _refuse_unsupported_keys(param_groups, state) -> None:
+    """Raise for a group key set since construction that the fused step cannot honour, as
+    torch.optim.AdamW raises for it where it does, before anything is stepped (torch steps
+    group after group, so it has stepped the groups before the one it raises for):
+
+    - ``capturable=True``: torch's (single-tensor and foreach) step raises AssertionError
+      for a param it steps whose device type is not capturable (CPU) or whose step count is
+      on another device type (CUDA params of a group that started without it): the same,
+      naming the key. Where torch would honour it (the step counts already on the CUDA
+      device), FusedAdamW cannot (no CUDA graph capture): ValueError, as at construction.
+      A capturable group with no grads this step steps nothing and raises nothing, in both.
+    - ``decoupled_weight_decay=False``: torch honours it (L2 weight decay); the fused step is
+      decoupled only: ValueError, as ``add_param_group`` raises for it.
+
+    ``differentiable``, ``foreach`` and ``fused`` set on a group need nothing: FusedAdamW's
+    step, like torch's unless built ``differentiable=True``, runs under no_grad, so a
+    differentiable group gets the same update; foreach and fused are ignored throughout."""
+    for gi, g in enumerate(param_groups):
+        if g.get("capturable", False):
+            _refuse_capturable(g, gi, state)
+        if not g.get("decoupled_weight_decay", True):
+            raise ValueError(f"FusedAdamW always decouples weight decay (param group {gi}: "
+                             "decoupled_weight_decay=False was set after construction); use "
+                             "torch.optim.Adam for L2 weight decay")
+
+
+def _refuse_capturable(group, gi: int, state) -> None:
+    devices = _capturable_devices()
+    for p in group["params"]:
+        if p.grad is None:
+            continue  # (torch checks the params it steps)
+        st = state.get(p)  # (no entry made: state is a defaultdict)
+        step = st.get("step") if st else None
+        # a param's first step makes its count on its own device in a capturable group
+        step_type = p.device.type if step is None else (
+            step.device.type if isinstance(step, Tensor) else "cpu")
+        if p.device.type not in devices or step_type != p.device.type:
+            raise AssertionError(
+                "If capturable=True, params and state_steps must be on supported devices: "
+                f"{devices}. (FusedAdamW: param group {gi} has capturable=True, set after "
+                f"construction; its params are on {p.device.type}, their step counts on "
+                f"{step_type}; FusedAdamW does not support capturable=True)")
+        raise ValueError(f"FusedAdamW does not support capturable=True (CUDA graph capture): "
+                         f"param group {gi} has it, set after construction; use "
+                         "torch.optim.AdamW(capturable=True)")
+
+
 def _validate_hparams(lr, betas, eps, weight_decay, where: str = "") -> None:
     """torch.optim.AdamW's checks and messages (plus the group index, for groups)."""
     if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -119,7 +175,11 @@ class FusedAdamW(torch.optim.Optimizer):
     ``exp_avg_sq``, and ``max_exp_avg_sq`` with amsgrad), so checkpoints load both ways.
     Per-group hyperparameters are validated in ``add_param_group`` too. ``foreach`` and
     ``fused`` are accepted and ignored (kept in the groups for the state-dict format);
-    ``capturable=True`` and ``differentiable=True`` are rejected. A tensor ``lr`` (from a
+    ``capturable=True`` and ``differentiable=True`` are rejected at construction. A group key
+    set later that the fused step cannot honour (``capturable=True``,
+    ``decoupled_weight_decay=False``) raises at the next step, before anything is stepped:
+    the exception ``torch.optim.AdamW`` raises for it where it does, else ValueError, naming
+    the key and the group. A tensor ``lr`` (from a
     scheduler) is read as a float each step. Works with ``torch.amp.GradScaler``: grads are
     unscaled inside the kernel and an inf/NaN step is skipped (the grads themselves are left
     scaled, unlike ``torch.optim.AdamW(fused=True)``).
@@ -281,6 +341,9 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # keys set on a group since construction that this step cannot honour: raised before
+        # anything (the clip's record included) changes
+        _refuse_unsupported_keys(self.param_groups, self.state)
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and not isinstance(found_inf, Tensor):

@@ -336,3 +336,25 @@ def test_decoupled_weight_decay_off_between_steps_is_refused(gi):
     assert "decoupled_weight_decay" in str(got) and f"param group {gi}" in str(got), str(got)
     goes_on(True)
 
+
+def test_differentiable_group_added_steps_as_torch_does():
+    """differentiable=True in a group added with add_param_group: torch.optim.AdamW accepts it
+    and steps that group as the others (its step runs under no_grad unless the optimizer was
+    built differentiable), as FusedAdamW steps a group given the flag between steps (the
+    "differentiable" case above); FusedAdamW accepts it there too. capturable=True stays
+    refused there, naming the key."""
+    ours = [p.detach().requires_grad_() for p in make_params(SHAPES, seed=4)]
+    theirs = clones(ours)
+    opt = FusedAdamW(groups_of(ours)[:2])
+    ref = torch.optim.AdamW(groups_of(theirs)[:2], foreach=False)
+    opt.add_param_group(dict(GROUPS[2], params=ours[4:], differentiable=True))
+    ref.add_param_group(dict(GROUPS[2], params=theirs[4:], differentiable=True))
+    for it in range(3):
+        for ps in (ours, theirs):
+            _grads(ps, it, "cpu")
+        opt.step()
+        ref.step()
+        for k, (a, b) in enumerate(zip(ours, theirs)):
+            torch.testing.assert_close(a.detach(), b.detach(), **CPU_TOL)
+    with pytest.raises(ValueError, match="capturable=True"):
+        opt.add_param_group(dict(params=[torch.zeros(2, requires_grad=True)], capturable=True))

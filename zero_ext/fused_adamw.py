@@ -175,7 +175,9 @@ class FusedAdamW(torch.optim.Optimizer):
     ``exp_avg_sq``, and ``max_exp_avg_sq`` with amsgrad), so checkpoints load both ways.
     Per-group hyperparameters are validated in ``add_param_group`` too. ``foreach`` and
     ``fused`` are accepted and ignored (kept in the groups for the state-dict format);
-    ``capturable=True`` and ``differentiable=True`` are rejected at construction. A group key
+    ``capturable=True`` and ``differentiable=True`` are rejected at construction (the latter
+    would have torch's step run with autograd on); ``add_param_group`` rejects a group with
+    ``capturable=True`` and accepts ``differentiable=True`` as torch does. A group key
     set later that the fused step cannot honour (``capturable=True``,
     ``decoupled_weight_decay=False``) raises at the next step, before anything is stepped:
     the exception ``torch.optim.AdamW`` raises for it where it does, else ValueError, naming
@@ -248,8 +250,12 @@ class FusedAdamW(torch.optim.Optimizer):
         where = f" (param group {len(getattr(self, 'param_groups', []))})"
         get = lambda k: param_group.get(k, self.defaults[k])  # noqa: E731
         _validate_hparams(get("lr"), get("betas"), get("eps"), get("weight_decay"), where)
-        if get("capturable") or get("differentiable"):
-            raise ValueError(f"FusedAdamW does not support capturable/differentiable{where}")
+        # differentiable=True in a group: accepted, as torch.optim.AdamW accepts it (its step
+        # runs under no_grad unless built differentiable, which the constructor refuses):
+        # the same update, as for the flag set between steps
+        if get("capturable"):
+            raise ValueError(f"FusedAdamW does not support capturable=True (CUDA graph "
+                             f"capture){where}; use torch.optim.AdamW(capturable=True)")
         if not param_group.get("decoupled_weight_decay", True):
             raise ValueError(f"FusedAdamW always decouples weight decay{where}")
         super().add_param_group(param_group)

@@ -371,3 +371,63 @@ def test_a_module_outside_the_model_sharing_a_param(ddp, sharding, form):
 @pytest.mark.parametrize("ddp", [False, True], ids=["no-ddp", "ddp"])
 def test_a_known_module_tied_to_a_param_while_in_flight(ddp, form):
     run_world(_probe, 2, dict(ddp=ddp, sharding="even", form=form, tied_later=True))
+
+
+class _WithAux(_TinyGPT):
+    """A forward that first reads an auxiliary head's weight when the model has one
+    (attached by the script later), without calling the head."""
+
+    def forward(self, idx):
+        aux = self._modules.get("aux")
+        extra = 0.0
+        if aux is not None:  # (before any module of the model runs)
+            extra = 0.1 * torch.nn.functional.linear(torch.ones(idx.shape[1], 32), aux.weight)
+        return super().forward(idx) + extra
+
+
+def _attached_later(rank, world, cfg):
+    """A head tied to the embedding (through a reference the script took before) attached
+    to the model right after a step, with the exchange in flight; the model's forward reads
+    its weight as an attribute."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer, param_gather
+
+    param_gather.FORM = cfg["form"]
+    param_gather.WORKER_DELAY_S = 0.05
+    ref, model = _WithAux(), _WithAux()
+    embeddings = [ref.wte.weight, model.wte.weight]
+    o_ref = torch.optim.AdamW(ref.parameters(), **HP)
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, sharding="even",
+                                  overlap_param_gather=True, **HP)
+    inner = (ref, model)
+    if cfg["ddp"]:
+        ref, model = DDP(ref), DDP(model)
+    for it in range(6):
+        for m, o in ((ref, o_ref), (model, opt)):
+            m(_input("gpt", rank, it)).square().mean().backward()
+            if not cfg["ddp"]:
+                for p in m.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            o.step()
+            o.zero_grad()
+        if it == 3:
+            for m, emb in zip(inner, embeddings):
+                head = torch.nn.Linear(32, 96, bias=False)
+                head.weight = emb
+                m.aux = head
+        if it >= 3:
+            with torch.no_grad():
+                x = _input("gpt", rank, 70 + it)
+                torch.testing.assert_close(model(x), ref(x), **TOL,
+                                           msg=lambda m, it=it: f"forward after step {it}: {m}")
+    opt.wait_for_params()
+    return True
+
+
+@pytest.mark.parametrize("form", ["auto", "nccl"])
+@pytest.mark.parametrize("ddp", [False, True], ids=["no-ddp", "ddp"])
+def test_a_head_attached_while_in_flight_read_by_its_parent(ddp, form):
+    run_world(_attached_later, 2, dict(ddp=ddp, form=form))

@@ -128,23 +128,35 @@ def _before_forward(module: torch.nn.Module, args) -> None:
         gather.before_forward(module)
 
 
-_REGISTRATION_HOOK = None
+_REGISTRATION_HOOKS: list = []
 
 
 def _watch_registrations() -> None:
-    """(once per process) A Parameter registered on a module a ParamGather has seen
-    (`module.weight = p`, `register_parameter`, `load_state_dict(assign=True)`) makes that
-    gather plan its waits again at its next step: what the module holds has changed."""
-    global _REGISTRATION_HOOK
-    if _REGISTRATION_HOOK is None:
-        _REGISTRATION_HOOK = torch.nn.modules.module.register_module_parameter_registration_hook(
-            _registered)
+    """(once per process) What a module found before is given later is found too: a
+    submodule attached to it (`model.aux = head`) has its tree searched, and a Parameter
+    registered on it (`module.weight = p`, `register_parameter`,
+    `load_state_dict(assign=True)`) is waited for at once if in flight; either way the
+    waits are planned again at the next step."""
+    if not _REGISTRATION_HOOKS:
+        hooks = torch.nn.modules.module
+        _REGISTRATION_HOOKS.append(hooks.register_module_parameter_registration_hook(
+            _param_registered))
+        _REGISTRATION_HOOKS.append(hooks.register_module_module_registration_hook(
+            _module_registered))
 
 
-def _registered(module: torch.nn.Module, name: str, param) -> None:
+def _param_registered(module: torch.nn.Module, name: str, param) -> None:
     for gather in list(_ALL):
         if module in gather._scanned:
             gather.registered(module, param)
+
+
+def _module_registered(module: torch.nn.Module, name: str, submodule) -> None:
+    if submodule is None:
+        return
+    for gather in list(_ALL):
+        if module in gather._scanned:
+            gather._discover(submodule)
 
 
 class _PendingParams(dict):

@@ -271,19 +271,22 @@ def test_bench_host_cost_quick():
     """bench_host_cost.py --quick (world 2, GPT-2 small's 148-tensor layout at a tiny
     width): a row per mode, DDP's 13 buckets, one collective per bucket for the hook where
     its shares are even (the embedding's bucket is cut by the receive bound: 17), and every
-    mode's params within 1e-4 of DDP + AdamW's (fp32 over 9 steps). CPU times are printed,
+    mode's params within 1e-4 of DDP + AdamW's (fp32 over 9 steps), also with the overlap. CPU times are printed,
     never asserted."""
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_host_cost.py"), "--quick",
-         "--modes", "ddp,zero_ext,zero_ext+hook"],
+         "--modes", "ddp,zero_ext,zero_ext+hook,zero_ext+hook+ov"],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # | world | tensors | mode | DDP buckets | collectives / backward | ... | max |diff| |
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in out.stdout.splitlines() if line.startswith("| 2 ")]
     by_mode = {cells[2]: cells for cells in rows}
-    assert set(by_mode) == {"ddp", "zero_ext", "zero_ext+hook"}, out.stdout
+    assert set(by_mode) == {"ddp", "zero_ext", "zero_ext+hook", "zero_ext+hook+ov"}, out.stdout
     for mode, cells in by_mode.items():
         assert cells[1] == "148" and cells[3] == "13", cells
         assert float(cells[-1]) <= 1e-4, (mode, cells)
     assert by_mode["zero_ext+hook"][4] == "17", by_mode["zero_ext+hook"]
+    # with the overlap too: the exchange left in flight ends within the forward (its last
+    # module waits for the rest), so the backward's collectives are the hook's alone
+    assert by_mode["zero_ext+hook+ov"][4] == "17", by_mode["zero_ext+hook+ov"]

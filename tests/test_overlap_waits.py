@@ -431,3 +431,173 @@ def _attached_later(rank, world, cfg):
 @pytest.mark.parametrize("ddp", [False, True], ids=["no-ddp", "ddp"])
 def test_a_head_attached_while_in_flight_read_by_its_parent(ddp, form):
     run_world(_attached_later, 2, dict(ddp=ddp, form=form))
+
+
+# ------------------------------------------------------------------ found by review
+class _KeptNested(torch.nn.Module):
+    """Weights and biases kept as a list of pairs (`self._wb = [(l.weight, l.bias) ...]`),
+    read by F.linear before any layer's own forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+        self._wb = [(l.weight, l.bias) for l in self.layers]
+
+    def forward(self, x):
+        for w, b in self._wb:
+            x = torch.tanh(torch.nn.functional.linear(x, w, b))
+        return x
+
+
+class _OneChildBlock(torch.nn.Module):
+    """A block holding no param itself and one child, whose params it keeps in a tuple and
+    reads (`F.linear(x, *self._pre)`): its list covers its whole tree, yet it is a read."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = torch.nn.Linear(64, 64)
+        self._pre = (self.pre.weight, self.pre.bias)
+
+    def forward(self, x):
+        return torch.tanh(torch.nn.functional.linear(x, *self._pre))
+
+
+class _OneChildStack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_OneChildBlock() for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _build_read(name):
+    if name == "nested":
+        return _KeptNested()
+    if name == "one-child":
+        return _OneChildStack()
+    return _Stack()
+
+
+def _reads(rank, world, cfg):
+    """The model's forward right after each step (exchange in flight, held back 50 ms)
+    against DDP + torch.optim.AdamW; `wrap`: torch.jit.script on both, or torch.compile
+    on the candidate (then: compiled once, never again)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer, param_gather
+
+    param_gather.FORM = cfg["form"]
+    param_gather.WORKER_DELAY_S = 0.05
+    ref_m, cand_m = _build_read(cfg["model"]), _build_read(cfg["model"])
+    if cfg.get("wrap") == "script":
+        ref_m, cand_m = torch.jit.script(ref_m), torch.jit.script(cand_m)
+    o_ref = torch.optim.AdamW(ref_m.parameters(), **HP)
+    opt = ZeroRedundancyOptimizer(cand_m.parameters(), torch.optim.AdamW, sharding="even",
+                                  overlap_param_gather=True, **HP)
+    ref, cand = DDP(ref_m), DDP(cand_m)
+    if cfg.get("wrap") == "compile":
+        import torch._dynamo as dynamo
+
+        dynamo.reset()
+        if cfg["how"] == "compile(DDP(m))":
+            cand = torch.compile(cand, backend="eager")
+        elif cfg["how"] == "DDP(compile(m))":
+            cand = DDP(torch.compile(cand_m, backend="eager"))
+        else:  # compiled in place
+            cand_m.compile(backend="eager")
+        counters = dynamo.utils.counters
+    compiled_at = []
+    for it in range(8):
+        losses = []
+        for m, o in ((ref, o_ref), (cand, opt)):
+            loss = m(_input("stack", rank, it)).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            o.step()
+            o.zero_grad()
+        # (the training forward itself reads the params in flight: compiled, only it runs,
+        # so that every compiled forward meets the exchange in flight)
+        torch.testing.assert_close(losses[1], losses[0], **TOL,
+                                   msg=lambda m, it=it: f"loss at step {it}: {m}")
+        if cfg.get("wrap") == "compile":
+            compiled_at.append(counters["stats"]["unique_graphs"])
+            continue
+        with torch.no_grad():
+            x = _input("stack", rank, 40 + it)
+            torch.testing.assert_close(cand(x), ref(x), **TOL,
+                                       msg=lambda m, it=it: f"forward after step {it}: {m}")
+    opt.wait_for_params()
+    for (n, a), b in zip(ref_m.named_parameters(), cand_m.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    if compiled_at:  # (no recompile once the exchange is left in flight at every step)
+        assert compiled_at[-1] == compiled_at[1], f"graphs compiled by step: {compiled_at}"
+    return True
+
+
+@pytest.mark.parametrize("form", ["auto", "nccl"])
+@pytest.mark.parametrize("model", ["nested", "one-child"])
+def test_params_kept_in_nested_lists_and_by_a_one_child_block(model, form):
+    run_world(_reads, 2, dict(model=model, form=form))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_a_scripted_model_waits_for_its_params():
+    run_world(_reads, 2, dict(model="stack", form="auto", wrap="script"))
+
+
+@pytest.mark.parametrize("how", ["compile(DDP(m))", "DDP(compile(m))", "m.compile()"])
+def test_a_compiled_model_is_right_and_compiled_once(how):
+    run_world(_reads, 2, dict(model="stack", form="auto", wrap="compile", how=how))
+
+
+def _threads(rank, world, cfg):
+    """Two threads run the model's forward right after each step."""
+    import threading
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer, param_gather
+
+    param_gather.FORM = cfg["form"]
+    ref_m, cand_m = _Stack(), _Stack()
+    o_ref = torch.optim.AdamW(ref_m.parameters(), **HP)
+    opt = ZeroRedundancyOptimizer(cand_m.parameters(), torch.optim.AdamW, sharding="even",
+                                  overlap_param_gather=True, **HP)
+    ref, cand = DDP(ref_m), DDP(cand_m)
+    for it in range(12):
+        for m, o in ((ref, o_ref), (cand, opt)):
+            m(_input("stack", rank, it)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        x = _input("stack", rank, 40 + it)
+        outs, errors = [None, None], []
+
+        def run(j):
+            try:
+                with torch.no_grad():
+                    outs[j] = cand_m(x)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=run, args=(j,)) for j in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors, errors
+        with torch.no_grad():
+            want = ref_m(x)
+        for out in outs:
+            torch.testing.assert_close(out, want, **TOL)
+    opt.wait_for_params()
+    return True
+
+
+@pytest.mark.parametrize("form", ["auto", "nccl"])
+def test_forwards_on_two_threads_after_the_step(form):
+    run_world(_threads, 2, dict(form=form))

@@ -295,39 +295,61 @@ class _PendingParams(dict):
 
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+_WARNED_KEPT: set = set()
 
 
-def _kept_reads(module: torch.nn.Module) -> list:
-    """The params a module refers to from plain tuples, lists and dicts among its own
-    attributes (one level deep, not its _parameters, buffers or submodules), which its
+def _opaque(module: torch.nn.Module) -> str | None:
+    """How a module runs its submodules where no forward hook is seen: "wrapper" (a
+    ScriptModule, torch.compile's OptimizedModule: its own forward hooks run eagerly
+    first) or "in place" (`module.compile()`: its hooks run inside the compiled code)."""
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        return "in place"
+    if isinstance(module, torch.jit.ScriptModule):
+        return "wrapper"
+    compiled = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(compiled, "OptimizedModule", None)
+    return "wrapper" if optimized is not None and isinstance(module, optimized) else None
+
+
+def _kept_reads(module: torch.nn.Module) -> dict:
+    """{attribute: [params]}: the params a module refers to from plain tuples, lists and
+    dicts among its own attributes (nested up to _KEPT_DEPTH levels: `self._wb = [(l.weight,
+    l.bias) for l in self.layers]`; not its _parameters, buffers or submodules), which its
     forward may read before, or without, calling the module that holds them
     (`self._pre = (self.pre.weight, self.pre.bias)`, then `F.linear(x, *self._pre)`).
 
     Less a wrapper's bookkeeping, which its forward never reads: DDP's lists
     (`_module_parameters`, `_delay_all_reduce_params`: its forward hands the wrapped
-    module's outputs to its reducer and reads grads only), and, in a module that holds no
-    param itself, a list of every param of the module tree it wraps. Counted as reads,
-    either would make the wrapper's forward, the first one called, wait for the whole
-    exchange."""
+    module's outputs to its reducer and reads grads only; counted as reads they made DDP's
+    forward, the first one called, wait for the whole exchange), and the attributes a class
+    names in `zero_ext_bookkeeping` (a wrapper of its own with such a list). No other list
+    can be told from one the forward reads (a list of every param, read functionally, looks
+    the same), so every other one counts as read: correct, at the cost of overlap, which
+    `_warn_if_kept_most` reports."""
     if isinstance(module, DistributedDataParallel):
-        return []
-    lists = []
+        return {}
+    skip = getattr(type(module), "zero_ext_bookkeeping", ())
+    kept = {}
     for name, value in vars(module).items():
-        if name in _MODULE_INTERNALS:
+        if name in _MODULE_INTERNALS or name in skip or not isinstance(value, (tuple, list,
+                                                                              dict)):
             continue
-        if isinstance(value, dict):
-            value = value.values()
-        elif not isinstance(value, (tuple, list)):
-            continue
-        kept = [q for q in value if isinstance(q, torch.nn.Parameter)]
-        if kept:
-            lists.append(kept)
-    if lists and not any(p is not None for p in _plain(module).values()):
-        below = {id(p) for sub in module.modules() if sub is not module
-                 for p in _plain(sub).values() if p is not None}
-        lists = [kept for kept in lists
-                 if not (len(kept) >= 2 and below <= {id(q) for q in kept})]
-    return [q for kept in lists for q in kept]
+        found = list(_params_in(value, _KEPT_DEPTH))
+        if found:
+            kept[name] = found
+    return kept
+
+
+_KEPT_DEPTH = 3
+
+
+def _params_in(value, depth: int):
+    """Parameters in a plain tuple, list or dict, and in those nested in it."""
+    for item in (value.values() if isinstance(value, dict) else value):
+        if isinstance(item, torch.nn.Parameter):
+            yield item
+        elif depth > 1 and isinstance(item, (tuple, list, dict)):
+            yield from _params_in(item, depth - 1)
 
 
 def _plain(module: torch.nn.Module) -> dict:
@@ -587,6 +609,8 @@ class _WaitPlan:
         self.loose_end = max((k for k, pids in enumerate(params_of_items)
                               if any(id(params[pid]) not in reached for pid in pids)),
                              default=-1)
+        if gather.opaque:  # (compiled code: the first forward waits for everything)
+            self.loose_end = self.size - 1
 
     def made_for(self, key: tuple) -> bool:
         """(items, number of params, the params' recorded memory, modules' generation)"""
@@ -660,6 +684,10 @@ class ParamGather:
         self._scanned: "weakref.WeakSet" = weakref.WeakSet()  # modules found (any)
         self._kept_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._generation = 0          # moves when modules are found or given params
+        self.opaque = False           # compiled or scripted code found: wait for all at once
+        self.wait_at_step = False     # (code compiled in place: at the step itself)
+        self._recording_done = False  # (recording stopped early: opaque code found)
+        self._lock = threading.RLock()  # (forwards on several threads wait alike)
         self.waits: _WaitPlan | None = None  # the current exchange plan's waits
         self.held: list = []          # _PendingParams of modules while in flight
         self.written: int | None = None  # a param written by another hand meanwhile
@@ -681,7 +709,7 @@ class ParamGather:
         if self.positions is None and self.recorded is None:
             zero = self._zero()
             alias_of = zero.plan.alias_of
-            self.recorded, self._seen = [], set()
+            self.recorded, self._seen, self._recording_done = [], set(), False
             self._pid_of = {id(p): alias_of.get(i, i)
                             for i, p in enumerate(zero.hook_seam.params)}
             # (modules searched again: their kept references may have changed)
@@ -698,6 +726,8 @@ class ParamGather:
 
     def _record(self, module: torch.nn.Module) -> None:
         """(recording) The params this module's forward may read, in first-use order."""
+        if self._recording_done:
+            return
         for p in itertools.chain(_plain(module).values(), self._kept_of.get(module, ())):
             pid = self._pid_of.get(id(p))
             if pid is not None and pid not in self._seen:
@@ -799,6 +829,8 @@ class ParamGather:
         else:
             queue.pump()
         _activate(self)
+        if self.wait_at_step:
+            self.wait_all()
 
     def before_forward(self, module: torch.nn.Module) -> None:
         """(every module's forward, while recording or in flight) A module seen for the
@@ -830,9 +862,14 @@ class ParamGather:
             if sub in self._scanned:
                 continue
             self._scanned.add(sub)
+            kind = _opaque(sub)
+            if kind is not None and not (self.opaque and (self.wait_at_step
+                                                          or kind == "wrapper")):
+                self._found_opaque(sub, kind)
             kept = _kept_reads(sub)
             if kept:
-                self._kept_of[sub] = kept
+                self._kept_of[sub] = [q for reads in kept.values() for q in reads]
+                self._warn_if_kept_most(sub, kept)
             if kept or any(p is not None for p in _plain(sub).values()):
                 self.modules.add(sub)
                 found.append(sub)
@@ -840,6 +877,52 @@ class ParamGather:
             self._generation += 1
             if self.queue is not None:
                 self._hold_modules(self.waits.holds(found))
+
+    def _found_opaque(self, module: torch.nn.Module, kind: str) -> None:
+        """Compiled or scripted code (torch.compile's OptimizedModule, a ScriptModule, a
+        module compiled in place) runs its submodules where no forward hook of zero_ext's
+        is seen, and a dict swapped into a submodule fails torch.compile's guards (a
+        recompile at every step). From now on the order is not recorded, and the first
+        forward after each step waits for the whole exchange before the compiled code is
+        entered; where that forward's own hooks run inside compiled code (compiled in
+        place), the step itself waits for it (a local choice: the collectives are the same
+        on every rank either way)."""
+        self.opaque = True
+        self.wait_at_step = self.wait_at_step or kind == "in place"
+        self._generation += 1
+        if self.recorded is not None:
+            self._recording_done = True
+            if self.queue is None:
+                _deactivate(self)  # (no global hook seen by the compiled code from now on)
+        logging.getLogger("zero_ext").warning(
+            "zero_ext: overlap_param_gather=True with %s (%s) in the model: its code runs "
+            "where zero_ext cannot see which params each module reads, so %s waits for the "
+            "whole params' exchange (correct, but nothing overlaps; without compiling or "
+            "scripting, each module waits for its own params only)", type(module).__name__,
+            "compiled in place" if kind == "in place" else "compiled or scripted",
+            "each step" if self.wait_at_step else "the first forward after each step")
+
+    def _warn_if_kept_most(self, module: torch.nn.Module, kept: dict) -> None:
+        """A module that keeps references to most of the exchanged params (a list of the
+        decayed params, say) waits for them at its forward: the overlap is then mostly
+        gone. Said once per attribute."""
+        zero = self._zero()
+        if zero is None:
+            return
+        mine = {id(p): p.numel() for p in zero.hook_seam.params}
+        total = sum(mine.values())
+        for name, reads in kept.items():
+            share = sum(mine.get(i, 0) for i in {id(q) for q in reads})
+            key = (type(module).__qualname__, name)
+            if total and share > total // 2 and key not in _WARNED_KEPT:
+                _WARNED_KEPT.add(key)
+                logging.getLogger("zero_ext").warning(
+                    "zero_ext: overlap_param_gather=True: %s.%s keeps references to %.0f%% "
+                    "of the optimizer's param elements; its forward waits for them (it may "
+                    "read them), so little of the exchange overlaps. If its forward does not "
+                    "read them, keep that list outside the module, or name the attribute in "
+                    "the class attribute `zero_ext_bookkeeping` (a tuple of names)",
+                    type(module).__name__, name, 100.0 * share / total)
 
     def registered(self, module: torch.nn.Module, param) -> None:
         """A Parameter registered on a module found before (an eval head tied to the
@@ -908,26 +991,33 @@ class ParamGather:
 
     def _wait_through(self, k: int, by_forward: bool = False) -> None:
         queue = self.queue
+        if queue is None:
+            return
         if queue.finished > k and not queue.done:  # (arrived: no wait, no lock)
             if self.first_wait is None:
                 self.first_wait, self.first_by_forward = 0.0, by_forward
             return
-        t = time.perf_counter()
-        if self.threaded:
-            queue.wait_finished(k)
-        else:
-            queue.complete_through(k)
-        dt = time.perf_counter() - t
-        self.waited += dt
-        if self.first_wait is None:
-            self.first_wait, self.first_by_forward = dt, by_forward
-        if queue.done:
-            self._finished()
+        with self._lock:  # (forwards on two threads: one completes, the other waits)
+            queue = self.queue
+            if queue is None:
+                return
+            t = time.perf_counter()
+            if self.threaded:
+                queue.wait_finished(k)
+            else:
+                queue.complete_through(k)
+            dt = time.perf_counter() - t
+            self.waited += dt
+            if self.first_wait is None:
+                self.first_wait, self.first_by_forward = dt, by_forward
+            if queue.done:
+                self._finished()
 
     def wait_all(self) -> None:
         """Every collective of the last step's exchange completed into the params."""
-        if self.queue is not None:
-            self._wait_through(self.queue.size - 1)
+        queue = self.queue
+        if queue is not None:
+            self._wait_through(queue.size - 1)
 
     # ------------------------------------------------------------------ lanes
     def fell_behind(self) -> bool:

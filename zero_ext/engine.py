@@ -274,7 +274,10 @@ class AdamWEngine:
     def step(self, param_groups: Sequence[Dict[str, Any]], state: Dict[Tensor, Dict[str, Any]],
              layout: Optional[StepLayout] = None, grad_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None,
-             after_chunk: Optional[Callable[[int], None]] = None) -> None:
+             after_chunk: Optional[Callable[[int], None]] = None,
+             before_host: Optional[Callable[[], None]] = None) -> None:
+        """One step of `layout` (every param whole when None). `after_chunk(k)` runs once
+        chunk k is stepped; `before_host()` once, before the first call on the CPU."""
         plan = self._plan
         key = self._key(param_groups, state)
         auto = layout is None
@@ -300,6 +303,9 @@ class AdamWEngine:
             pack.flat.add_(1 if mask is None else mask)
         for k, calls in enumerate(plan.chunks):
             for call in calls:
+                if before_host is not None and call.device.type == "cpu":
+                    before_host()
+                    before_host = None
                 if native:
                     call.native.run(self._steps(call), table,
                                     _to(grad_scale, call.device), _to(found_inf, call.device))

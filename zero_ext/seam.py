@@ -148,7 +148,7 @@ class HookSeam:
         zero = self._zero()
         moved = zero._replicas.refresh()
         if moved:
-            self.reset_fused_views()
+            zero._memory_moved()
         return moved
 
     def fused_step_supported(self) -> bool:
@@ -174,6 +174,16 @@ class HookSeam:
             return g.view(-1)[start:start + length]
 
         zero._replicas.exchange_views(view_of, lambda pid: pid in param_ids)
+
+    def bucket_reduced(self, param_ids: tuple, bucket, fut):
+        """reduce_scatter_hook reduces a DDP bucket of these params; `fut` completes once
+        this rank's owned sums are in the bucket. Returns the future to hand DDP: with
+        offload_optimizer, one that completes once the host pieces' grads among them are
+        on their way to the host (offload.HostShard.pull_bucket), else `fut` itself."""
+        host = self._zero()._offload
+        if host is None or not host.slots:
+            return fut
+        return host.pull_bucket(param_ids, bucket.gradients(), fut)
 
     def wait_for_params(self) -> None:
         """The last step's exchange, if left in flight (overlap_param_gather), completed:

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -271,9 +273,15 @@ class HostShard:
         self._early_error: Optional[BaseException] = None
         self._events: list = []  # CUDA events the host waits for before it steps
         self._streams: Dict[torch.device, Any] = {}
+        # the hook's copies run in the collectives' callbacks, which complete on the
+        # backend's threads (gloo: one per lane): one bucket's copies at a time
+        self._hook_lock = threading.Lock()
         self._packed: Optional[list] = None  # (dict, name, tensor) as packed last time
         self._state_buffers: Dict[tuple, Tensor] = {}
         self.copy_seconds = 0.0
+        # pieces whose grads went to the host: from the hook's buckets, or at the step
+        self.pulled_early = 0
+        self.pulled_at_step = 0
 
     # ------------------------------------------------------------------ placement
 
@@ -305,7 +313,7 @@ class HostShard:
             if k not in self.on_host:
                 take = self.fraction >= 1.0 or (
                     self.fraction > 0.0 and abs(host_now + lp.length - target)
-                    < abs(host_now - target))
+                    <= abs(host_now - target))
                 self.on_host[k] = take
                 host_now += lp.length if take else 0
         live = {(lp.param_id, lp.start, lp.length) for lp in local}
@@ -382,7 +390,6 @@ class HostShard:
         they became final and nothing changed them since). Sets each host key's ``.grad``
         (None where the param has none, so the step skips it). On a GPU the copies are
         queued on the current stream: `wait` before reading them."""
-        import time
         t0 = time.perf_counter()
         early = self._early if early_valid else set()
         if self._early_error is not None:
@@ -408,6 +415,9 @@ class HostShard:
                 continue
             chosen.append(s)
             srcs[s.index] = _grad_view(g, s.start, s.length, s.key.shape)
+        self.pulled_at_step += len(chosen)
+        self.pulled_early += sum(1 for s in self.slots if s.index in early
+                                 and s.key.grad is not None)
         key = tuple(s.index for s in chosen)
         windows = self._grad_windows.get(key)
         if windows is None:
@@ -430,7 +440,6 @@ class HostShard:
     def push(self) -> None:
         """Host to device: the updated host pieces into the params' memory (through .data:
         the params' version counters do not move), before the exchange reads them."""
-        import time
         t0 = time.perf_counter()
         views = self._param_views()
         for w in self._param_windows:
@@ -462,10 +471,11 @@ class HostShard:
 
         def copy(f):
             value = f.value()  # (raises the collective's error: DDP reports it)
-            try:
-                self._copy_bucket(mine)
-            except Exception as exc:  # noqa: BLE001 - raised on every rank by the step
-                self._early_error = exc
+            with self._hook_lock:
+                try:
+                    self._copy_bucket(mine)
+                except Exception as exc:  # noqa: BLE001 - raised on every rank by the step
+                    self._early_error = exc
             return value
 
         return fut.then(copy)

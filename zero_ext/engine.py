@@ -238,7 +238,12 @@ class _Plan:
 
 
 def _to(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
-    return None if t is None else t.to(device, non_blocking=True)
+    """`t` on `device` for a kernel call there. Onto the CPU the copy blocks: the CPU kernel
+    reads it at once (a non-blocking copy from a GPU would hand it memory not yet written:
+    the GradScaler's scale or a clip factor for offload_optimizer's host step)."""
+    if t is None or t.device == device:
+        return t
+    return t.to(device, non_blocking=device.type != "cpu")
 
 
 def _elements(t: Tensor, offset: int, length: int, real: bool) -> Tensor:

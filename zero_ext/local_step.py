@@ -44,10 +44,11 @@ class FusedShardStep:
     """Steps this rank's share with the fused kernel, chunk by chunk."""
 
     def __init__(self, plan: layout.ShardPlan, optim: torch.optim.Optimizer,
-                 master_weights: bool = False):
+                 master_weights: bool = False, state_alloc=None):
         self.optim = optim
         self.layout = share_layout(plan)
         self.engine = AdamWEngine(type(optim), master_weights)
+        self.engine.state_alloc = state_alloc  # (offload_optimizer: packed host state)
 
     def reset(self) -> None:
         """Forget cached views of the state (after it was replaced, e.g. by a load)."""

@@ -278,6 +278,10 @@ class HostShard:
         self._hook_lock = threading.Lock()
         self._packed: Optional[list] = None  # (dict, name, tensor) as packed last time
         self._state_buffers: Dict[tuple, Tensor] = {}
+        # state made or loaded by others than the fused engine (which allocates packed:
+        # alloc_state) may be out of the packed buffers: pack_state at the next step
+        self.state_unpacked = True
+        self._slot_of: Dict[int, _Slot] = {}
         self.copy_seconds = 0.0
         # pieces whose grads went to the host: from the hook's buckets, or at the step
         self.pulled_early = 0
@@ -326,7 +330,7 @@ class HostShard:
             if self.on_host[(lp.param_id, lp.start, lp.length)]:
                 p = plan.params[lp.param_id]
                 groups.setdefault((p.device, p.dtype), []).append(lp)
-        self.buffers, self.slots, self._by_param = [], [], {}
+        self.buffers, self.slots, self._by_param, self._slot_of = [], [], {}, {}
         for (dev, dtype), lps in groups.items():
             align = kernels.flatten.alignment_elems(dtype)
             offsets, n = kernels.aligned_offsets([lp.length for lp in lps], align)
@@ -348,6 +352,7 @@ class HostShard:
                 else:
                     key.data = view  # (the same object: its state stays under it)
                 slot = _Slot(len(self.slots), lp.param_id, lp.start, lp.length, bi, off, key)
+                self._slot_of[id(key)] = slot
                 b.slots.append(slot)
                 self.slots.append(slot)
                 self._by_param.setdefault(lp.param_id, []).append(slot)
@@ -357,6 +362,7 @@ class HostShard:
         self._grad_windows = {}
         self._packed = None  # the host keys moved: pack the state again into new buffers
         self._state_buffers.clear()
+        self.state_unpacked = True
 
     def invalidate_views(self) -> None:
         """The params' memory moved (``p.data = t``, new bucket views): views of it taken
@@ -501,6 +507,15 @@ class HostShard:
 
     # ------------------------------------------------------------------ packed state
 
+    def alloc_state(self, key: Tensor, name: str, dtype: torch.dtype) -> Optional[Tensor]:
+        """(the fused engine's state_alloc) A host key's new state tensor `name`: a zeroed
+        view of its slot in the packed buffer of (name, dtype); None for other keys."""
+        s = self._slot_of.get(id(key))
+        if s is None or s.key is not key:
+            return None
+        buf = self._state_buffer(s, name, dtype)
+        return buf[s.offset:s.offset + s.length].view(key.shape).zero_()
+
     def pack_state(self, state: Dict[Tensor, dict]) -> bool:
         """Each host piece's per-element state tensors as views into one flat host buffer
         per (name, dtype), laid out like the host keys: the host step then streams a few
@@ -516,6 +531,7 @@ class HostShard:
                 if isinstance(t, Tensor) and t.numel() == s.length and t.device.type == "cpu" \
                         and t.dim() > 0:
                     current.append((st, name, t, s))
+        self.state_unpacked = False
         packed = self._packed
         if packed is not None and len(packed) == len(current) and all(
                 map(operator.is_, (c[2] for c in current), (p[2] for p in packed))):

@@ -262,6 +262,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             # step() reads the carried clip factors of the same grads and passes them in
             # its grad_scale: read twice, they would clip twice
             self.optim.reads_carried_clips = False
+            if self._offload is not None:  # (its engine makes the host state packed)
+                self.optim._engine.state_alloc = self._offload.alloc_state
         self._adopt_optimizer_defaults()
         self._initialized = True
 
@@ -385,7 +387,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _fused_step(self) -> FusedShardStep:
         if self._stepper is None:
-            self._stepper = FusedShardStep(self.plan, self.optim, self.master_weights)
+            self._stepper = FusedShardStep(
+                self.plan, self.optim, self.master_weights,
+                None if self._offload is None else self._offload.alloc_state)
         return self._stepper
 
     def _chunks_per_step(self, plan: layout.ShardPlan) -> int:
@@ -634,7 +638,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """offload_optimizer, before the local step: the host state packed (after it was
         made or loaded), the host pieces' grads and params copied to the host."""
         host = self._offload
-        if host.pack_state(self.optim.state) and self._stepper is not None:
+        if host.state_unpacked and host.pack_state(self.optim.state) \
+                and self._stepper is not None:
             self._stepper.reset()
         host.pull(self._early_valid)
 
@@ -678,6 +683,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             flat = self.sharding in layout.SPLIT_MODES
             host = self._offload
             if host is not None:  # the host keys' grads: copies of the owned grads
+                if not own_masters:  # (optimizer_class made or may make state itself)
+                    host.state_unpacked = True
                 self._host_pull()
                 host.wait()
             if flat:
@@ -844,6 +851,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """(zero_ext.state's seam) New state installed: the fused step's views are stale."""
         self._state_changed()
         self._stepper = None  # rebuilt at the next fused step, over the new state
+        if self._offload is not None:
+            self._offload.state_unpacked = True  # (packed into host buffers at the step)
 
     @torch._disable_dynamo
     def state_dict(self) -> dict:

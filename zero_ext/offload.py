@@ -149,6 +149,7 @@ class _Slot:
     buffer: int         # index into HostShard.buffers
     offset: int         # first element in that buffer (aligned)
     key: Tensor         # the host key (a view of the buffer's params), the key's shape
+    grad: Tensor        # its grad: a view of the buffer's grads, the key's shape
 
 
 @dataclass
@@ -158,6 +159,7 @@ class _Buffers:
 
     device: torch.device
     dtype: torch.dtype
+    itemsize: int
     numel: int
     params: Tensor
     grads: Tensor
@@ -195,7 +197,7 @@ def _windows(buffers: List[_Buffers], chosen: Sequence[_Slot]) -> List[_Window]:
 
     for s in chosen:
         b = buffers[s.buffer]
-        size = torch.empty((), dtype=b.dtype).element_size()
+        size = b.itemsize
         stage_elems = STAGE_BYTES // size
         if s.length * size >= DIRECT_BYTES or s.length > stage_elems:
             close()
@@ -216,8 +218,7 @@ def _staging(b: _Buffers, hook: bool) -> Tensor:
     name = "hook_stage" if hook else "stage"
     t = getattr(b, name)
     if t is None:
-        size = torch.empty((), dtype=b.dtype).element_size()
-        n = min(b.numel, STAGE_BYTES // size)
+        n = min(b.numel, STAGE_BYTES // b.itemsize)
         t = torch.empty(n, dtype=b.dtype, device=b.device)
         setattr(b, name, t)
     return t
@@ -335,7 +336,7 @@ class HostShard:
             align = kernels.flatten.alignment_elems(dtype)
             offsets, n = kernels.aligned_offsets([lp.length for lp in lps], align)
             pin = _is_cuda(dev)
-            b = _Buffers(dev, dtype, n,
+            b = _Buffers(dev, dtype, torch.empty((), dtype=dtype).element_size(), n,
                          torch.empty(n, dtype=dtype, pin_memory=pin),
                          torch.empty(n, dtype=dtype, pin_memory=pin))
             bi = len(self.buffers)
@@ -351,13 +352,16 @@ class HostShard:
                     key = self.keys[k] = view
                 else:
                     key.data = view  # (the same object: its state stays under it)
-                slot = _Slot(len(self.slots), lp.param_id, lp.start, lp.length, bi, off, key)
+                key.grad = None
+                slot = _Slot(len(self.slots), lp.param_id, lp.start, lp.length, bi, off, key,
+                             b.grads[off:off + lp.length].view(shape))
                 self._slot_of[id(key)] = slot
                 b.slots.append(slot)
                 self.slots.append(slot)
                 self._by_param.setdefault(lp.param_id, []).append(slot)
                 lp.key, lp.host = key, True
         self._views = None
+        self._early = set()  # (slot indices of the old layout)
         self._param_windows = _windows(self.buffers, self.slots)
         self._grad_windows = {}
         self._packed = None  # the host keys moved: pack the state again into new buffers
@@ -411,12 +415,13 @@ class HostShard:
         for s in self.slots:
             g = params[s.param_id].grad
             if g is None:
-                s.key.grad = None
+                if s.key.grad is not None:
+                    s.key.grad = None
                 continue
             if g.is_sparse:
                 raise RuntimeError(f"{OPTION}: param {s.param_id} has a sparse grad")
-            b = self.buffers[s.buffer]
-            s.key.grad = b.grads[s.offset:s.offset + s.length].view(s.key.shape)
+            if s.key.grad is None:
+                s.key.grad = s.grad
             if s.index in early:
                 continue
             chosen.append(s)
@@ -459,6 +464,7 @@ class HostShard:
         self._early_error = None
 
     def detach_grads(self) -> None:
+        """The host keys' grads dropped (the step's pull sets them again)."""
         for s in self.slots:
             s.key.grad = None
 
@@ -471,7 +477,9 @@ class HostShard:
         completes: the future DDP gets instead completes once the copies of the host
         pieces among them are queued (on a GPU, on a side stream: the backward goes on)."""
         mine = [(s, grads[j]) for j, pid in enumerate(param_ids)
-                for s in self._by_param.get(pid, ()) if not grads[j].is_complex()]
+                for s in self._by_param.get(pid, ())
+                if grads[j].dtype == self.buffers[s.buffer].dtype
+                and grads[j].numel() == self.plan.params[pid].numel()]
         if not mine:
             return fut
 

@@ -614,7 +614,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             finally:
                 if host is not None:
                     host.end_step()
-                    host.detach_grads()
         if sends is not None:
             sends.finish()  # the chunks not sent yet (all of them after an early failure)
         t1 = time.perf_counter()

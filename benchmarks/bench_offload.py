@@ -155,7 +155,7 @@ def bench_copies(title, shapes, device, args):
     dev_dst = torch.empty(total, device=device)
 
     def pull():
-        host.pull(False)
+        host.pull(set())
         host.wait()
 
     fns = {"offload pull (grads + params, device -> host)": pull,

@@ -140,6 +140,13 @@ def _iteration(rank, it, ddp, opt, cfg, is_ref, scaler=None):
     loss = _loss(ddp, _batch(rank, it, dtype), inf_term)
     (scaler.scale(loss) if scaler is not None else loss).backward()
     norm = None
+    if cfg.get("gather_torch_clip") and not is_ref:
+        # the hook's grads made whole on every rank, then changed in place by torch's clip
+        # (allowed after gather_grads): the copies the hook sent to the host are stale
+        from zero_ext.ddp_zero_hook import gather_grads
+        gather_grads(opt)
+    if cfg.get("gather_torch_clip"):
+        norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
     if cfg.get("clip"):
         if scaler is not None:
             scaler.unscale_(opt)
@@ -212,7 +219,8 @@ def parity(cfg, ctx):
                            else cfg["offload"])
     if not info["host"]:
         pass  # (whole pieces: a rank whose one piece is above twice its target keeps it)
-    elif cfg.get("hook") and not (cfg.get("scaler") and cfg.get("clip")):
+    elif cfg.get("hook") and not (cfg.get("scaler") and cfg.get("clip")) \
+            and not cfg.get("gather_torch_clip"):
         # grads after DDP's first iteration went to the host per bucket
         assert info["early"] > 0, info
     else:  # (no hook; or GradScaler's unscale_ rescaled them after the hook sent them)
@@ -248,6 +256,8 @@ CASES = {
     "flat-add-param-group": dict(sharding="flat", add_group=True, iters=5),
     "param-0.5-add-param-group": dict(sharding="param", offload=0.5, add_group=True),
     "flat-scheduler-hook": dict(sharding="flat", scheduler=True, hook=True, clip=True),
+    "even-hook-gather-grads-torch-clip": dict(sharding="even", hook=True,
+                                              gather_torch_clip=True),
     # optimizers other than AdamW: torch's own CPU step of the class on the host keys
     "param-sgd-momentum": dict(sharding="param", cls=torch.optim.SGD,
                                hp=dict(lr=0.05, momentum=0.9, weight_decay=0.01)),

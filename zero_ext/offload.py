@@ -394,14 +394,15 @@ class HostShard:
             ev.record(stream)
             self._events.append(ev)
 
-    def pull(self, early_valid: bool) -> None:
+    def pull(self, early_valid: set) -> None:
         """Device to host: every host piece's param values, and the grads of those that
-        have one (from `pull_bucket`'s copies when `early_valid`: the hook sent them as
-        they became final and nothing changed them since). Sets each host key's ``.grad``
-        (None where the param has none, so the step skips it). On a GPU the copies are
-        queued on the current stream: `wait` before reading them."""
+        have one (from `pull_bucket`'s copies for the params in `early_valid`: the hook
+        sent them as they became final and nothing changed them since). Sets each host
+        key's ``.grad`` (None where the param has none, so the step skips it). On a GPU
+        the copies are queued on the current stream: `wait` before reading them."""
         t0 = time.perf_counter()
-        early = self._early if early_valid else set()
+        early = {i for i in self._early if self.slots[i].param_id in early_valid} \
+            if early_valid else set()
         if self._early_error is not None:
             error, self._early_error = self._early_error, None
             if early_valid:

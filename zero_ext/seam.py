@@ -77,6 +77,9 @@ class HookSeam:
         self._index: tuple | None = None
         self._ownership: tuple | None = None
         self._step_warned = False
+        # (offload_optimizer) param ids whose grads are as reduce_scatter_hook left them,
+        # set by the hook's check at each step (its copies to the host hold for those)
+        self.unchanged: set = set()
         _LIVE[next(_built)] = zero
 
     @property
@@ -127,6 +130,16 @@ class HookSeam:
     def joined(self) -> bool:
         """A Join context (uneven inputs) is active for the optimizer."""
         return self._zero()._join_config.enable
+
+    @property
+    def wants_unchanged(self) -> bool:
+        """Whether the step needs `unchanged` (offload_optimizer uses the hook's copies)."""
+        return self._zero()._offload is not None
+
+    def take_unchanged(self) -> set:
+        """`unchanged` as the hook's check left it for this step, then reset."""
+        out, self.unchanged = self.unchanged, set()
+        return out
 
     @property
     def overlap_with_ddp(self) -> bool:

@@ -246,7 +246,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._fused_kernel_usable: bool | None = None
         # offload_optimizer: the part of the share stepped on the host (offload.py)
         self._offload = offload.HostShard(fraction) if fraction > 0 else None
-        self._early_valid = False  # (the step's: the hook's copies to the host are its grads)
+        # (the step's: param ids whose grads the hook sent to the host are still its grads)
+        self._early_valid: set = set()
 
         # sharding="auto" may still become "even" at reduce_scatter_hook's first call
         self._auto_open = sharding == "auto"
@@ -576,9 +577,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         use_fused = not kwargs and self._fused_step_supported()
         replicas = self._replicas
         # offload_optimizer: grads the hook sent to the host as its buckets finished are
-        # the step's, unless GradScaler unscaled them in place since (it then passes no
-        # grad_scale); any other change of them is an error of the hook's check already
-        self._early_valid = hooked and not (found_inf is not None and grad_scale is None)
+        # the step's where the hook's check found them as the hook left them (not replaced,
+        # not written, not made whole by gather_grads), unless GradScaler unscaled them in
+        # place since (it then passes no grad_scale; on the CPU that moves no version)
+        unchanged = self.hook_seam.take_unchanged()
+        self._early_valid = unchanged if hooked and not (
+            found_inf is not None and grad_scale is None) else set()
         copy_s = host.copy_seconds if host is not None else 0.0
         try:
             if replicas.refresh():

@@ -37,6 +37,7 @@ real copies, every pull, push and staging step happens, so CI covers every path.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import threading
@@ -116,6 +117,9 @@ def check_supported(optimizer_class: type, overlap_with_ddp: bool, params: Seque
 
 
 # ------------------------------------------------------------------------------ copies
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 def _is_cuda(dev: torch.device) -> bool:
@@ -361,6 +365,12 @@ class HostShard:
                 self._by_param.setdefault(lp.param_id, []).append(slot)
                 lp.key, lp.host = key, True
         self._views = None
+        self._slot_grads = [s.grad for s in self.slots]  # (what each key's .grad should be)
+        self._slot_params = [plan.params[s.param_id] for s in self.slots]
+        # how a slot's grad is read: 0 the grad itself, 1 a 1-D view of it, 2 a slice
+        self._grad_how = [0 if s.length == p.numel() and s.key.shape == p.shape
+                          else 1 if s.length == p.numel() and p.is_contiguous() else 2
+                          for s, p in zip(self.slots, self._slot_params)]
         self._early = set()  # (slot indices of the old layout)
         self._param_windows = _windows(self.buffers, self.slots)
         self._grad_windows = {}
@@ -412,33 +422,37 @@ class HostShard:
         for w in self._param_windows:
             b = self.buffers[w.buf]
             _to_host(b, b.params, w, [views[s.index] for s in w.slots], hook=False)
-        chosen, srcs = [], {}
-        for s in self.slots:
-            g = params[s.param_id].grad
-            if g is None:
-                if s.key.grad is not None:
-                    s.key.grad = None
-                continue
-            if g.is_sparse:
-                raise RuntimeError(f"{OPTION}: param {s.param_id} has a sparse grad")
-            if s.key.grad is None:
-                s.key.grad = s.grad
-            if s.index in early:
-                continue
-            chosen.append(s)
-            srcs[s.index] = _grad_view(g, s.start, s.length, s.key.shape)
+        grads = list(map(_GRAD, self._slot_params))
+        # (a key's grad dropped from outside, opt.optim.zero_grad(): attached again)
+        attached = all(map(operator.is_, (s.key.grad for s in self.slots), self._slot_grads))
+        if early or any(map(operator.is_, grads, itertools.repeat(None))) or not attached:
+            self._attach(grads)
+            chosen = [s for s, g in zip(self.slots, grads)
+                      if g is not None and s.index not in early]
+            key = tuple(s.index for s in chosen)
+            self.pulled_early += sum(1 for s, g in zip(self.slots, grads)
+                                     if g is not None and s.index in early)
+        else:  # (the usual step: every piece has its grad, none came early)
+            chosen, key = self.slots, None
+        srcs = {s.index: (g if how == 0 else g.reshape(s.key.shape) if how == 1
+                          else _grad_view(g, s.start, s.length, s.key.shape))
+                for s, g, how in ((s, grads[s.index], self._grad_how[s.index])
+                                  for s in chosen)}
         self.pulled_at_step += len(chosen)
-        self.pulled_early += sum(1 for s in self.slots if s.index in early
-                                 and s.key.grad is not None)
-        key = tuple(s.index for s in chosen)
         windows = self._grad_windows.get(key)
         if windows is None:
             if len(self._grad_windows) > 8:
                 self._grad_windows.clear()
             windows = self._grad_windows[key] = _windows(self.buffers, chosen)
-        for w in windows:
-            b = self.buffers[w.buf]
-            _to_host(b, b.grads, w, [srcs[s.index] for s in w.slots], hook=False)
+        try:
+            for w in windows:
+                b = self.buffers[w.buf]
+                _to_host(b, b.grads, w, [srcs[s.index] for s in w.slots], hook=False)
+        except RuntimeError:
+            if any(g.is_sparse for g in grads if g is not None):
+                raise RuntimeError(f"{OPTION}: a param of the host part has a sparse grad "
+                                   "(not supported)") from None
+            raise
         for dev in {b.device for b in self.buffers}:
             self._record_event(dev)
         self.copy_seconds += time.perf_counter() - t0
@@ -463,6 +477,16 @@ class HostShard:
         sent belong to the backward before it."""
         self._early = set()
         self._early_error = None
+
+    def _attach(self, grads: list) -> None:
+        """Each host key's ``.grad``: its slot of the grads buffer where the param has a
+        grad, else None (the step skips it)."""
+        for s, g in zip(self.slots, grads):
+            if g is None:
+                if s.key.grad is not None:
+                    s.key.grad = None
+            elif s.key.grad is not s.grad:
+                s.key.grad = s.grad
 
     def detach_grads(self) -> None:
         """The host keys' grads dropped (the step's pull sets them again)."""

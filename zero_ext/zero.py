@@ -121,7 +121,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     ``offload_optimizer=True`` (ZeRO-Offload, the name of DeepSpeed's option): this rank's
     optimizer state, and its float32 masters with ``master_weights=True``, live in host memory
-    (pinned where the params are on a GPU) and its share is stepped on the host: the owned
+    (the copies that cross the link pinned, where the params are on a GPU) and its share is
+    stepped on the host: the owned
     grads go device to host (per DDP bucket as it becomes final with reduce_scatter_hook, at
     the step otherwise), the fused C++ AdamW (or ``optimizer_class``'s own CPU step) updates
     them, and the updated share goes back to the device before the params' exchange. A

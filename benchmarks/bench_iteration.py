@@ -43,6 +43,11 @@ defaults but bucket_cap_mb, AdamW lr 6e-4, betas (0.9, 0.95), nanoGPT's two grou
                  overlap_param_gather=True
                  (both: skipped with a note where this zero_ext has no such option, i.e. its
                  constructor raises TypeError)
+  zero_ext_offload, zero_ext_rs_offload, zero_ext_rs_overlap_offload  on request (--modes):
+                 zero_ext, zero_ext_rs, zero_ext_rs_overlap built with
+                 offload_optimizer=--offload-fraction (default 1: the whole share's state and
+                 step on the host; here the "device" is the CPU too, so this times the
+                 copies and the host step's placement, not a PCIe link)
 --layouts job,hybrid runs every zero_ext mode also with its optimizer over this node's shard
 group (zero_ext.hybrid_groups(): LOCAL_WORLD_SIZE ranks, as torchrun or netlab's
 NETLAB_NODE_SIZE set it; DDP over the job), labelled "(even@hybrid)".
@@ -175,12 +180,18 @@ from common import (CheckedCollectiveTrace, CollectiveTrace, critical_path,  # n
 MODES = ("ddp", "torch_zero", "zero_ext", "zero_ext_rs", "zero_ext_overlap")  # the default
 FSDP2_MODES = ("fsdp2", "fsdp2_reshard")  # on request (--modes): torch's fully_shard
 # on request (--modes): ZeroRedundancyOptimizer(..., overlap_param_gather=True), where it exists
-GATHER_OVERLAP_MODES = ("zero_ext_overlap_gather", "zero_ext_rs_overlap")
-ALL_MODES = MODES + FSDP2_MODES + GATHER_OVERLAP_MODES
-ZERO_EXT_MODES = ("zero_ext", "zero_ext_rs", "zero_ext_overlap") + GATHER_OVERLAP_MODES
-RS_HOOK_MODES = ("zero_ext_rs", "zero_ext_rs_overlap")  # DDP + reduce_scatter_hook
+GATHER_OVERLAP_MODES = ("zero_ext_overlap_gather", "zero_ext_rs_overlap",
+                        "zero_ext_rs_overlap_offload")
+# on request (--modes): offload_optimizer (--offload-fraction) on zero_ext's modes
+OFFLOAD_MODES = ("zero_ext_offload", "zero_ext_rs_offload", "zero_ext_rs_overlap_offload")
+ALL_MODES = tuple(dict.fromkeys(MODES + FSDP2_MODES + GATHER_OVERLAP_MODES + OFFLOAD_MODES))
+ZERO_EXT_MODES = tuple(dict.fromkeys(("zero_ext", "zero_ext_rs", "zero_ext_overlap")
+                                     + GATHER_OVERLAP_MODES + OFFLOAD_MODES))
+RS_HOOK_MODES = ("zero_ext_rs", "zero_ext_rs_overlap", "zero_ext_rs_offload",
+                 "zero_ext_rs_overlap_offload")  # DDP + reduce_scatter_hook
 # DDP's C++ all-reduce when timed
-BUILTIN_ALLREDUCE = ("ddp", "torch_zero", "zero_ext", "zero_ext_overlap_gather")
+BUILTIN_ALLREDUCE = ("ddp", "torch_zero", "zero_ext", "zero_ext_overlap_gather",
+                     "zero_ext_offload")
 PHASES = ("forward", "backward", "step", "param_wait", "total")  # the per-rank table's
 OVERLAP_WARMUP = 2  # torch's: DDP finalises its buckets, no update
 MAX_NORM = 1.0
@@ -427,6 +438,8 @@ class Runner:
         else:
             # (a zero_ext without the option: TypeError, and build_runner skips the mode)
             gather = {"overlap_param_gather": True} if self.overlap_gather else {}
+            if mode in OFFLOAD_MODES:
+                gather["offload_optimizer"] = Runner.offload_fraction
             # "even@hybrid": the optimizer over this node's shard group (hybrid_groups()),
             # DDP over the job
             shard_mode, _, layout = sharding.partition("@")
@@ -453,6 +466,8 @@ class Runner:
                                                                   self.opt))
         elif python_allreduce:  # counting: DDP's all-reduce, issued from Python
             self.ddp.register_comm_hook(None, allreduce_hook)
+
+    offload_fraction = 1.0  # (--offload-fraction: set in every rank before the runners)
 
     def _init_fsdp2(self, mode: str, spec: dict) -> None:
         """torch's FSDP2: fully_shard on every unit, then the root, over the CPU mesh;
@@ -708,6 +723,7 @@ def init_from_env(opts: dict) -> tuple[int, int]:
 
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
     torch.set_num_threads(opts["threads"])
+    Runner.offload_fraction = opts.get("offload_fraction", 1.0)
     dist.init_process_group("gloo", init_method="env://",
                             timeout=datetime.timedelta(seconds=opts["timeout"]))
     return dist.get_rank(), dist.get_world_size()
@@ -968,6 +984,9 @@ def main(argv=None) -> int:
                     help="back-to-back iterations per mode per round, a barrier before the "
                     "first, which is untimed when > 1 (0: 2 when an overlap_param_gather mode "
                     "is requested, else 1)")
+    ap.add_argument("--offload-fraction", type=float, default=1.0,
+                    help="offload_optimizer of the *_offload modes (the share's part stepped "
+                    "on the host)")
     ap.add_argument("--iters", type=int, default=10, help="timed iterations per mode")
     ap.add_argument("--warmup", type=int, default=2,
                     help="untimed iterations per mode (the overlap mode: 2 more)")
@@ -1038,7 +1057,8 @@ def main(argv=None) -> int:
                 "iters": args.iters, "warmup": args.warmup, "quick": args.quick,
                 "compute_ms": args.compute_ms, "chain": args.chain,
                 "sequential": args.sequential, "gpt_layers": args.gpt_layers,
-                "gpt_batch": args.gpt_batch, "gpt_seq": args.gpt_seq}
+                "gpt_batch": args.gpt_batch, "gpt_seq": args.gpt_seq,
+                "offload_fraction": args.offload_fraction}
         fd, out = tempfile.mkstemp(prefix=f"iteration_w{world}_", suffix=".json")
         os.close(fd)
         t0 = time.perf_counter()

@@ -3,6 +3,8 @@
     python benchmarks/bench_resident_memory.py                    # GPT-2 small, worlds 2 and 4
     python benchmarks/bench_resident_memory.py --width-div 16     # smoke run (~2.8M params)
     python benchmarks/bench_resident_memory.py --worlds 4 --configs ours-bf16-master-bv
+    python benchmarks/bench_resident_memory.py --worlds 4 \
+        --configs ours-bf16-master,ours-bf16-master-offload,ours-bf16-master-offload-half
 
 What is measured (issue 15, "Memory accounting"): what each rank's resident set grows by
 for the optimizer setup, in bytes per param of the model (all its params, as
@@ -57,6 +59,15 @@ held only by C++ (autograd graph, process groups) are not seen by the walk: they
   freed, kept            last step - trimmed: freed temporaries kept until malloc_trim
   constructor            optimizer - grads
 
+Device bytes (offload_optimizer, issue 46): the table "device bytes per param per rank"
+splits the counted tensors by where they would live on a GPU: on the device the weights,
+the grads, the state and masters of the device part of the share (keyed by the params' own
+memory) and the offload's staging; on the host the host part's keys (the share's param
+copies), their grads and their state and masters. Here everything is in RAM (CPU ranks), so
+the split is read from what holds each storage (the optimizer's offload.HostShard), not from
+tensor.device. Configs ours-bf16-master-offload (the whole share on the host) and
+ours-bf16-master-offload-half (offload_optimizer=0.5).
+
 --mmap-threshold N sets MALLOC_MMAP_THRESHOLD_ in the ranks (glibc: blocks of N bytes and
 more get their own mapping and go back to the OS when freed); default unset (glibc's
 dynamic threshold, as in a user's process). Nothing is asserted: all figures are measured
@@ -101,7 +112,11 @@ CONFIGS = {
     "ours-fp32": ("ours", FP32, False, False),
     "torch-bf16": ("torch", BF16, False, False),
     "bare": (None, FP32, False, False),  # init only: checks the baseline of the others
+    # offload_optimizer (the value in OFFLOAD)
+    "ours-bf16-master-offload": ("ours", BF16, True, False),
+    "ours-bf16-master-offload-half": ("ours", BF16, True, False),
 }
+OFFLOAD = {"ours-bf16-master-offload": True, "ours-bf16-master-offload-half": 0.5}
 DEFAULT_CONFIGS = "ours-bf16-master,torch-fp32"
 FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
 
@@ -148,7 +163,8 @@ def _build(cfg: str, groups):
     from zero_ext import ZeroRedundancyOptimizer as OurZero
 
     return OurZero(groups, torch.optim.AdamW, parameters_as_bucket_view=bucket_view,
-                   master_weights=master, sharding=_build.sharding, **kw)
+                   master_weights=master, sharding=_build.sharding,
+                   offload_optimizer=OFFLOAD.get(cfg, False), **kw)
 
 
 _build.sharding = "auto"
@@ -235,9 +251,18 @@ def walk_storages(params, opt, top: int, min_bytes: int) -> dict:
         mark(p, "weights")
         mark(p.grad, "grads")
     inner = getattr(opt, "optim", opt)
-    for st in inner.state.values():
+    host = getattr(opt, "_offload", None)
+    host_keys = set()
+    if host is not None:  # offload_optimizer: what is host memory on a GPU machine
+        for b in host.buffers:
+            mark(b.params, "host:keys")
+            mark(b.grads, "host:grads")
+            for t in (b.stage, b.hook_stage):
+                mark(t, "staging")
+        host_keys = {id(s.key) for s in host.slots}
+    for key, st in inner.state.items():
         for name, v in st.items():
-            mark(v, f"state:{name}")
+            mark(v, f"host:state:{name}" if id(key) in host_keys else f"state:{name}")
     gc.collect()
     objs = gc.get_objects()
     with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
@@ -357,6 +382,7 @@ def rank_breakdown(rk: dict) -> dict:
         return out
     by = rk["walk"]["by_kind"]
     state = {k.split(":", 1)[1]: v for k, v in by.items() if k.startswith("state:")}
+    hstate = {k.split(":", 2)[2]: v for k, v in by.items() if k.startswith("host:state:")}
     live = sum(by.values())
     dyn, imp = s["dynamo"], s["imports"]
     out.update({
@@ -366,6 +392,10 @@ def rank_breakdown(rk: dict) -> dict:
         "weights": by.get("weights", 0), "grads": by.get("grads", 0),
         "masters": state.get("master", 0),
         "state": sum(v for k, v in state.items() if k != "master"),
+        "host_masters": hstate.get("master", 0),
+        "host_state": sum(v for k, v in hstate.items() if k != "master"),
+        "host_copies": by.get("host:keys", 0) + by.get("host:grads", 0),
+        "staging": by.get("staging", 0),
         "other_tensors": by.get("other", 0),
         "rest_anon": (end["RssAnon"] - imp["RssAnon"]) - live,
         "rest_file": end["RssFile"] - imp["RssFile"] + end["RssShmem"] - imp["RssShmem"],
@@ -373,7 +403,11 @@ def rank_breakdown(rk: dict) -> dict:
         "ctor": s["optimizer"]["VmRSS"] - s["grads"]["VmRSS"],
     })
     out["dynamo"] = out["dynamo_anon"] + out["dynamo_file"]
-    out["counted"] = out["weights"] + out["grads"] + out["masters"] + out["state"]
+    out["counted"] = (out["weights"] + out["grads"] + out["masters"] + out["state"]
+                      + out["host_masters"] + out["host_state"] + out["host_copies"]
+                      + out["staging"])
+    out["device"] = (out["weights"] + out["grads"] + out["masters"] + out["state"]
+                     + out["staging"])
     out["remainder"] = out["resident"] - out["counted"] - out["dynamo"] - out["own_imports"]
     return out
 
@@ -383,6 +417,10 @@ PARTS = (("dynamo_anon", "torch._dynamo import, anonymous (Python modules)"),
          ("own_imports", "the optimizer's own imports (package, native library)"),
          ("weights", "weights"), ("grads", "grads"), ("masters", "masters"),
          ("state", "optimizer state (exp_avg, exp_avg_sq, step)"),
+         ("host_masters", "offload: masters of the host part"),
+         ("host_state", "offload: optimizer state of the host part"),
+         ("host_copies", "offload: the host part's param and grad copies"),
+         ("staging", "offload: device staging of the copies"),
          ("other_tensors", "other live tensors"),
          ("rest_anon", "rest, anonymous (allocator, C++ buffers, Python objects)"),
          ("rest_file", "rest, file pages first touched after the imports"),
@@ -394,6 +432,7 @@ PARTS = (("dynamo_anon", "torch._dynamo import, anonymous (Python modules)"),
 def summarize(results: list, numel: int) -> tuple[list, list, list, list]:
     """Rows of the summary, the breakdown, the other-tensor listing; baseline notes."""
     summary, parts, listing, notes = [], [], [], []
+    summarize.device = []
     for data in results:
         cfg, world = data["config"], data["world"]
         ranks = data["ranks"]
@@ -412,6 +451,15 @@ def summarize(results: list, numel: int) -> tuple[list, list, list, list]:
             _bpp(mean["resident"] - mean["dynamo"], numel), _bpp(mean["pss"], numel)])
         for k, label in PARTS:
             parts.append([world, cfg, label, _mb(mean[k]), _bpp(mean[k], numel), _mb(mx[k])])
+        summarize.device.append([
+            world, cfg, str(OFFLOAD.get(cfg, False)), _bpp(mean["weights"], numel),
+            _bpp(mean["grads"], numel),
+            f"{_bpp(mean['masters'] + mean['state'], numel)} / "
+            f"{_bpp(mx['masters'] + mx['state'], numel)}",
+            _bpp(mean["staging"], numel),
+            f"{_bpp(mean['device'], numel)} / {_bpp(mx['device'], numel)}",
+            _bpp(mean["host_masters"] + mean["host_state"], numel),
+            _bpp(mean["host_copies"], numel)])
         for rk in ranks:
             walk = rk.get("walk", {})
             for o in walk.get("other_top", []):
@@ -527,6 +575,13 @@ def main(argv=None) -> int:
                 ["world", "config", "sharding", "formula", "counted", "resident",
                  "resident - counted", "torch._dynamo import", "own imports", "remainder",
                  "resident ex. dynamo", "resident PSS"], summary)
+    print_table("Device bytes per param per rank, counted from the tensors by where they "
+                "would live on a GPU (all the model's params; mean / max over ranks): "
+                "state + masters on the device, the offload's staging, the device total; "
+                "host: state + masters, and the host part's param and grad copies:",
+                ["world", "config", "offload", "weights", "grads", "state + masters (device)",
+                 "staging", "device total", "host state + masters", "host copies"],
+                summarize.device)
     print_table("Where each rank's resident memory goes (mean over ranks; the max rank's MB):",
                 ["world", "config", "part", "MB", "bytes/param", "MB (max rank)"], parts)
     if listing:

@@ -13,11 +13,19 @@
 #                 iteration for DDP + AdamW(fused), DDP + torch's Python allreduce_hook,
 #                 zero_ext even, + reduce_scatter_hook, + hook + overlap_param_gather, as
 #                 ratios to DDP in the same run (benchmarks/bench_host_cost.py --gpt2-cuda)
+#   offload       offload_optimizer (issue 46): GPT-2 small and medium, world 1, ms per
+#                 iteration and peak device memory without the option, with it (whole share,
+#                 0.5, 0.25; the hook's per-bucket copies; without the hook), against DDP +
+#                 AdamW, parity, pinned buffers (benchmarks/offload_gpu_check.py); then the
+#                 host step and the device-host copies against a plain copy_
+#                 (benchmarks/bench_offload.py --device cuda); and the offload tests' CUDA
+#                 cases (tests/test_offload_cuda.py)
 #   nccl          reduce_scatter_hook on NCCL (benchmarks/nccl_hook_check.py)
 #   sanitizer     compute-sanitizer memcheck of the CUDA kernel tests (fused AdamW op and
 #                 plan, flatten)
 # Everything is tee'd under $OUT: gpu_check.log (all of it), build.log, tests/<file>.log,
-# tests_summary.txt, nccl_hook_check.*, bench_cuda.md, sanitizer.log. A failed step is logged
+# tests_summary.txt, nccl_hook_check.*, bench_cuda.md, offload.md, sanitizer.log.
+# GPU_CHECK_SECTIONS="env build offload" runs only those sections (in the order below). A failed step is logged
 # and the script goes on. Every step's timeout is cut to what is left of a 540 s budget, so
 # the whole script ends in about 9 minutes at worst (expected 7-9: see "main" at the end).
 #
@@ -157,6 +165,14 @@ section_gpt2_host() {
     bash -o pipefail -c "$PY benchmarks/bench_host_cost.py --gpt2-cuda --rounds 3 --iters 10 2>&1 | tee $OUT/gpt2_host.md"
 }
 
+section_offload() {
+  run 150 "offload_optimizer: GPT-2 small and medium, world 1 (offload_gpu_check.py)" \
+    bash -o pipefail -c "$PY benchmarks/offload_gpu_check.py --models small,medium --out $OUT 2>&1 | tee $OUT/offload.md"
+  run 90 "offload_optimizer: host step and device-host copies (bench_offload.py --device cuda)" \
+    bash -o pipefail -c "$PY benchmarks/bench_offload.py --device cuda --threads $(nproc) --reps 5 --max-seconds 5 2>&1 | tee -a $OUT/offload.md"
+  test_file 90 tests/test_offload_cuda.py
+}
+
 section_sanitizer() {
   which compute-sanitizer >/dev/null 2>&1 || { elapsed "no compute-sanitizer: skipped"; return; }
   run 75 "compute-sanitizer memcheck: CUDA fused AdamW (op and plan) and flatten tests" \
@@ -166,15 +182,11 @@ section_sanitizer() {
 # main: the sections in order; a section that finds too little of the budget left is skipped
 # (logged), so the ones that matter most come first. Expected seconds on the H200 (not all
 # measured yet): env 5, build 35-45, tests 180-240 (ten processes), bench_adamw 60-100,
-# bench_flatten 20-30, gpt2_host 40-70, nccl 40-60, sanitizer 40-75.
-section_env
-section_build
-section_tests
-section_bench_adamw
-section_bench_flatten
-section_gpt2_host
-section_nccl
-section_sanitizer
+# bench_flatten 20-30, gpt2_host 40-70, offload 120-240 (not measured yet), nccl 40-60,
+# sanitizer 40-75.
+for s in env build tests bench_adamw bench_flatten gpt2_host offload nccl sanitizer; do
+  case " ${GPU_CHECK_SECTIONS:-$s} " in *" $s "*) "section_$s" ;; esac
+done
 elapsed "done"
 echo "test files, one process each:"; cat "$OUT/tests_summary.txt"
 sleep 1  # let tee flush the log before $OUT is collected

@@ -158,7 +158,8 @@ void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
                      const std::optional<at::Tensor>& found_inf, const TensorListRef& masters);
 
 // One non-empty segment as the CUDA kernel's static table holds it (the grad's pointer is
-// not in it: grads change from step to step and come with each step).
+// not in it: grads change from step to step and come with each step); the plan's CPU steps
+// run on the same records.
 struct PlanSegment {
   void* p;
   void* m;
@@ -199,6 +200,14 @@ inline PlanSegment make_segment(int64_t i, int64_t group, const at::Tensor& p, c
             (master != nullptr ? kMaster : 0);
   return s;
 }
+
+// The CPU kernel over a plan's records (fused_adamw_cpu.cpp), checked when the plan was
+// built: this step's grad of record r at grad_ptrs[r.index], its step at steps[r.index]; no
+// per-tensor checks or views per step (thousands of small tensors cost them each step).
+void fused_adamw_cpu_plan(const std::vector<PlanSegment>& records, const void* const* grad_ptrs,
+                          const at::Tensor& steps, const at::Tensor& group_hparams,
+                          const std::optional<at::Tensor>& grad_scale,
+                          const std::optional<at::Tensor>& found_inf);
 
 // What fused_adamw.cu provides to the plan; registered when the CUDA sources are built in
 // (cuda_plan_ops() is null in a CPU-only build).

@@ -178,7 +178,10 @@ ZX_INLINE void sqrt_inplace(float* t, int64_t n) {
 }
 
 // MW: the segment has a float32 master (PT bf16/fp16, ST float); the update runs on it.
-template <typename PT, typename ST, bool AMS, bool MW>
+// SC: the grads are divided by grad_div (a GradScaler's scale, a clip); without, that
+// division by 1 (exact) is left out: a vector division costs as much as the rest of the
+// element's arithmetic on some CPUs.
+template <typename PT, typename ST, bool AMS, bool MW, bool SC>
 ZX_INLINE void adamw_range(
     const Segment& s, int64_t begin, int64_t end) {
   PT* __restrict p = static_cast<PT*>(s.p) + begin;
@@ -196,7 +199,7 @@ ZX_INLINE void adamw_range(
     // Pass 1: moments (reads g, m, v[, vmax]; writes m, v[, vmax]).
     for (int64_t i = 0; i < nb; ++i) {
       const int64_t j = b0 + i;
-      const float gi = to_f(g[j]) * c.grad_mul / c.grad_div;
+      const float gi = SC ? to_f(g[j]) * c.grad_mul / c.grad_div : to_f(g[j]) * c.grad_mul;
       const float mi = to_f(m[j]);
       const float base = c.lerp_lo ? mi : gi;
       const float mn = base + c.lerp_w * (gi - mi);
@@ -239,7 +242,10 @@ ZX_INLINE void adamw_range(
 
 #define ZX_DEFINE_KERNEL(NAME, PT, ST, AMS, MW)                                   \
   ZX_CLONES void NAME(const Segment& s, int64_t begin, int64_t end) {             \
-    adamw_range<PT, ST, AMS, MW>(s, begin, end);                                  \
+    if (s.sc.grad_div != 1.0f)                                                    \
+      adamw_range<PT, ST, AMS, MW, true>(s, begin, end);                          \
+    else                                                                          \
+      adamw_range<PT, ST, AMS, MW, false>(s, begin, end);                         \
   }
 ZX_DEFINE_KERNEL(k_f32_f32, float, float, false, false)
 ZX_DEFINE_KERNEL(k_f32_f32_ams, float, float, true, false)
@@ -265,51 +271,94 @@ ZX_DEFINE_KERNEL(k_f16_master_ams, f16_t, float, true, true)
 #if ZX_X86 && defined(__GNUC__)
 #define ZX_HAVE_SIMD_F32 1
 
-#define ZX_F32_AVX512(NAME, AMS)                                                              \
-  __attribute__((target("avx512f"))) void NAME(const Segment& s, int64_t begin,             \
-                                               int64_t end) {                               \
-    float* p = static_cast<float*>(s.p) + begin;                                            \
-    const float* g = static_cast<const float*>(s.g) + begin;                                \
-    float* m = static_cast<float*>(s.m) + begin;                                            \
-    float* v = static_cast<float*>(s.v) + begin;                                            \
-    float* x = AMS ? static_cast<float*>(s.vmax) + begin : nullptr;                         \
-    const Scalars c = s.sc;                                                                  \
-    const __m512 gmul = _mm512_set1_ps(c.grad_mul), gdiv = _mm512_set1_ps(c.grad_div);      \
-    const __m512 w = _mm512_set1_ps(c.lerp_w), b2 = _mm512_set1_ps(c.beta2);                \
-    const __m512 omb2 = _mm512_set1_ps(c.one_minus_beta2), bc2s = _mm512_set1_ps(c.bc2_sqrt); \
-    const __m512 eps = _mm512_set1_ps(c.eps), dec = _mm512_set1_ps(c.decay);                \
-    const __m512 nss = _mm512_set1_ps(c.neg_step_size);                                     \
-    const __mmask16 lo = c.lerp_lo ? __mmask16(0xFFFF) : __mmask16(0);                      \
-    const int64_t n = end - begin;                                                           \
-    for (int64_t i = 0; i < n; i += 16) {                                                    \
-      const __mmask16 k =                                                                    \
-          n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << unsigned(n - i)) - 1u);         \
-      const __m512 gv =                                                                      \
-          _mm512_div_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, g + i), gmul), gdiv);          \
-      __m512 mv = _mm512_maskz_loadu_ps(k, m + i);                                           \
-      const __m512 base = _mm512_mask_blend_ps(lo, gv, mv);                                  \
-      mv = _mm512_fmadd_ps(w, _mm512_sub_ps(gv, mv), base);                                  \
-      const __m512 vv = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, v + i), b2),    \
-                                      _mm512_mul_ps(_mm512_mul_ps(omb2, gv), gv));            \
-      __m512 vh = vv;                                                                        \
-      if (AMS) {                                                                             \
-        const __m512 old = _mm512_maskz_loadu_ps(k, x + i);                                  \
-        const __mmask16 keep = _mm512_cmp_ps_mask(old, vv, _CMP_GT_OQ) |                     \
-                               _mm512_cmp_ps_mask(old, old, _CMP_UNORD_Q);                   \
-        vh = _mm512_mask_blend_ps(keep, vv, old);                                            \
-        _mm512_mask_storeu_ps(x + i, k, vh);                                                 \
-      }                                                                                      \
-      const __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vh), bc2s), eps);          \
-      const __m512 pv = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + i), dec),   \
-                                      _mm512_div_ps(_mm512_mul_ps(nss, mv), d));             \
-      _mm512_mask_storeu_ps(m + i, k, mv);                                                   \
-      _mm512_mask_storeu_ps(v + i, k, vv);                                                   \
-      _mm512_mask_storeu_ps(p + i, k, pv);                                                   \
-    }                                                                                        \
+struct Avx512Consts {
+  __m512 gmul, gdiv, w, b2, omb2, bc2s, eps, dec, nss;
+  __mmask16 lo;
+};
+
+// One vector of 16 elements (FULL: plain loads and stores; else the tail, masked by k).
+template <bool AMS, bool FULL, bool SC>
+__attribute__((target("avx512f"), always_inline)) static inline void avx512_vector(
+    const Avx512Consts& c, float* p, const float* g, float* m, float* v, float* x,
+    __mmask16 k) {
+  auto ld = [](const float* a, __mmask16 mask) __attribute__((target("avx512f"),
+                                                              always_inline)) {
+    return FULL ? _mm512_loadu_ps(a) : _mm512_maskz_loadu_ps(mask, a);
+  };
+  auto st = [](float* a, __mmask16 mask, __m512 val) __attribute__((target("avx512f"),
+                                                                    always_inline)) {
+    if (FULL) _mm512_storeu_ps(a, val); else _mm512_mask_storeu_ps(a, mask, val);
+  };
+  const __m512 gm = _mm512_mul_ps(ld(g, k), c.gmul);
+  const __m512 gv = SC ? _mm512_div_ps(gm, c.gdiv) : gm;
+  __m512 mv = ld(m, k);
+  const __m512 base = _mm512_mask_blend_ps(c.lo, gv, mv);
+  mv = _mm512_fmadd_ps(c.w, _mm512_sub_ps(gv, mv), base);
+  const __m512 vv = _mm512_add_ps(_mm512_mul_ps(ld(v, k), c.b2),
+                                  _mm512_mul_ps(_mm512_mul_ps(c.omb2, gv), gv));
+  __m512 vh = vv;
+  if (AMS) {
+    const __m512 old = ld(x, k);
+    const __mmask16 keep = _mm512_cmp_ps_mask(old, vv, _CMP_GT_OQ) |
+                           _mm512_cmp_ps_mask(old, old, _CMP_UNORD_Q);
+    vh = _mm512_mask_blend_ps(keep, vv, old);
+    st(x, k, vh);
   }
-ZX_F32_AVX512(k_f32_avx512, false)
-ZX_F32_AVX512(k_f32_avx512_ams, true)
-#undef ZX_F32_AVX512
+  const __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vh), c.bc2s), c.eps);
+  const __m512 pv = _mm512_add_ps(_mm512_mul_ps(ld(p, k), c.dec),
+                                  _mm512_div_ps(_mm512_mul_ps(c.nss, mv), d));
+  st(m, k, mv);
+  st(v, k, vv);
+  st(p, k, pv);
+}
+
+template <bool AMS, bool SC>
+__attribute__((target("avx512f"))) static void avx512_loop(const Avx512Consts& c, float* p,
+                                                           const float* g, float* m,
+                                                           float* v, float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    avx512_vector<AMS, true, SC>(c, p + i, g + i, m + i, v + i, AMS ? x + i : nullptr,
+                                 __mmask16(0xFFFF));
+  if (i < n)
+    avx512_vector<AMS, false, SC>(c, p + i, g + i, m + i, v + i, AMS ? x + i : nullptr,
+                                  __mmask16((1u << unsigned(n - i)) - 1u));
+}
+
+template <bool AMS>
+__attribute__((target("avx512f"))) static void avx512_range(const Segment& s, int64_t begin,
+                                                            int64_t end) {
+  float* p = static_cast<float*>(s.p) + begin;
+  const float* g = static_cast<const float*>(s.g) + begin;
+  float* m = static_cast<float*>(s.m) + begin;
+  float* v = static_cast<float*>(s.v) + begin;
+  float* x = AMS ? static_cast<float*>(s.vmax) + begin : nullptr;
+  const Scalars sc = s.sc;
+  Avx512Consts c;
+  c.gmul = _mm512_set1_ps(sc.grad_mul);
+  c.gdiv = _mm512_set1_ps(sc.grad_div);
+  c.w = _mm512_set1_ps(sc.lerp_w);
+  c.b2 = _mm512_set1_ps(sc.beta2);
+  c.omb2 = _mm512_set1_ps(sc.one_minus_beta2);
+  c.bc2s = _mm512_set1_ps(sc.bc2_sqrt);
+  c.eps = _mm512_set1_ps(sc.eps);
+  c.dec = _mm512_set1_ps(sc.decay);
+  c.nss = _mm512_set1_ps(sc.neg_step_size);
+  c.lo = sc.lerp_lo ? __mmask16(0xFFFF) : __mmask16(0);
+  const int64_t n = end - begin;
+  if (sc.grad_div != 1.0f)
+    avx512_loop<AMS, true>(c, p, g, m, v, x, n);
+  else
+    avx512_loop<AMS, false>(c, p, g, m, v, x, n);
+}
+
+__attribute__((target("avx512f"))) void k_f32_avx512(const Segment& s, int64_t b, int64_t e) {
+  avx512_range<false>(s, b, e);
+}
+__attribute__((target("avx512f"))) void k_f32_avx512_ams(const Segment& s, int64_t b,
+                                                         int64_t e) {
+  avx512_range<true>(s, b, e);
+}
 
 // AVX2: full vectors use plain loads and stores; only the tail is masked. (VMASKMOVPS
 // stores are microcoded and slow on AMD Zen: masking every vector made this path half as
@@ -318,7 +367,7 @@ struct Avx2Consts {
   __m256 gmul, gdiv, w, b2, omb2, bc2s, eps, dec, nss, lo;
 };
 
-template <bool AMS, bool FULL>
+template <bool AMS, bool FULL, bool SC>
 __attribute__((target("avx2,fma"), always_inline)) static inline void avx2_vector(
     const Avx2Consts& c, float* p, const float* g, float* m, float* v, float* x, __m256i k) {
   auto ld = [](const float* a, __m256i mask) __attribute__((target("avx2,fma"), always_inline)) {
@@ -327,7 +376,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void avx2_vecto
   auto st = [](float* a, __m256i mask, __m256 val) __attribute__((target("avx2,fma"), always_inline)) {
     if (FULL) _mm256_storeu_ps(a, val); else _mm256_maskstore_ps(a, mask, val);
   };
-  const __m256 gv = _mm256_div_ps(_mm256_mul_ps(ld(g, k), c.gmul), c.gdiv);
+  const __m256 gm = _mm256_mul_ps(ld(g, k), c.gmul);
+  const __m256 gv = SC ? _mm256_div_ps(gm, c.gdiv) : gm;
   __m256 mv = ld(m, k);
   const __m256 base = _mm256_blendv_ps(gv, mv, c.lo);
   mv = _mm256_fmadd_ps(c.w, _mm256_sub_ps(gv, mv), base);
@@ -347,6 +397,21 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void avx2_vecto
   st(m, k, mv);
   st(v, k, vv);
   st(p, k, pv);
+}
+
+template <bool AMS, bool SC>
+__attribute__((target("avx2,fma"))) static void avx2_loop(const Avx2Consts& c, float* p,
+                                                         const float* g, float* m, float* v,
+                                                         float* x, int64_t n) {
+  const __m256i all = _mm256_set1_epi32(-1);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    avx2_vector<AMS, true, SC>(c, p + i, g + i, m + i, v + i, AMS ? x + i : nullptr, all);
+  if (i < n) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n - i)), lane);
+    avx2_vector<AMS, false, SC>(c, p + i, g + i, m + i, v + i, AMS ? x + i : nullptr, k);
+  }
 }
 
 template <bool AMS>
@@ -370,15 +435,10 @@ __attribute__((target("avx2,fma"))) static void avx2_range(const Segment& s, int
   c.nss = _mm256_set1_ps(sc.neg_step_size);
   c.lo = _mm256_castsi256_ps(_mm256_set1_epi32(sc.lerp_lo ? -1 : 0));
   const int64_t n = end - begin;
-  const __m256i all = _mm256_set1_epi32(-1);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    avx2_vector<AMS, true>(c, p + i, g + i, m + i, v + i, AMS ? x + i : nullptr, all);
-  if (i < n) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n - i)), lane);
-    avx2_vector<AMS, false>(c, p + i, g + i, m + i, v + i, AMS ? x + i : nullptr, k);
-  }
+  if (sc.grad_div != 1.0f)
+    avx2_loop<AMS, true>(c, p, g, m, v, x, n);
+  else
+    avx2_loop<AMS, false>(c, p, g, m, v, x, n);
 }
 
 __attribute__((target("avx2,fma"))) void k_f32_avx2(const Segment& s, int64_t b, int64_t e) {
@@ -445,6 +505,66 @@ static Scalars make_scalars(const double* h, double step, double grad_scale) {
   s.grad_mul = maximize ? -1.0f : 1.0f;
   s.grad_div = float(grad_scale);
   return s;
+}
+
+static int64_t bytes_of(int kind) { return kind == kF32 ? 4 : 2; }
+
+static bool follows(const void* a, int64_t n, int64_t size, const void* b) {
+  return static_cast<const char*>(a) + n * size == static_cast<const char*>(b);
+}
+
+// Whether segment b continues segment a in every tensor's memory, with the same kernel and
+// scalars: one segment then (elementwise, the same arithmetic on every element). A rank's
+// share laid out in flat buffers (offload_optimizer's host part, params packed by the
+// caller) becomes a few long segments, whatever its number of tensors.
+static bool continues(const Segment& a, KernelFn fa, const Segment& b, KernelFn fb) {
+  if (fa != fb || a.pkind != b.pkind || a.skind != b.skind ||
+      std::memcmp(&a.sc, &b.sc, sizeof(Scalars)) != 0) {
+    return false;
+  }
+  const int64_t n = a.numel, ps = bytes_of(a.pkind), ss = bytes_of(a.skind);
+  if (!follows(a.p, n, ps, b.p) || !follows(a.g, n, ps, b.g) || !follows(a.m, n, ss, b.m) ||
+      !follows(a.v, n, ss, b.v)) {
+    return false;
+  }
+  if ((a.vmax == nullptr) != (b.vmax == nullptr) || (a.w == nullptr) != (b.w == nullptr)) {
+    return false;
+  }
+  return (a.vmax == nullptr || follows(a.vmax, n, ss, b.vmax)) &&
+         (a.w == nullptr || follows(a.w, n, 4, b.w));
+}
+
+// Appends segment s (kernel fn) to the step's lists, merged into the last one when it
+// continues it (`continues`).
+static void add_segment(std::vector<Segment>& segs, std::vector<KernelFn>& fns,
+                        std::vector<int64_t>& offsets, const Segment& s, KernelFn fn) {
+  if (!segs.empty() && continues(segs.back(), fns.back(), s, fn)) {
+    segs.back().numel += s.numel;
+    offsets.back() += s.numel;
+    return;
+  }
+  segs.push_back(s);
+  fns.push_back(fn);
+  offsets.push_back(offsets.back() + s.numel);
+}
+
+// One parallel loop over the virtual element space of all segments of all groups
+// (`offsets`: prefix sums of the segments' numel).
+static void run_segments(const std::vector<Segment>& segs, const std::vector<KernelFn>& fns,
+                         const std::vector<int64_t>& offsets) {
+  const int64_t total = offsets.back();
+  if (total == 0) return;
+  at::parallel_for(0, total, kGrain, [&](int64_t begin, int64_t end) {
+    int64_t k = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
+    int64_t pos = begin;
+    while (pos < end) {
+      const int64_t seg_lo = offsets[k], seg_hi = offsets[k + 1];
+      const int64_t stop = std::min(end, seg_hi);
+      fns[k](segs[k], pos - seg_lo, stop - seg_lo);
+      pos = stop;
+      ++k;
+    }
+  });
 }
 
 static void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name) {
@@ -531,25 +651,59 @@ void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
     }
     s.sc = last_sc;
     s.numel = n;
-    segs.push_back(s);
-    fns.push_back(pick_kernel(pk, s.skind, ams, master_ptr != nullptr));
-    offsets.push_back(offsets.back() + n);
+    add_segment(segs, fns, offsets, s, pick_kernel(pk, s.skind, ams, master_ptr != nullptr));
   }
-  const int64_t total = offsets.back();
-  if (total == 0 || skip) return;
+  if (skip) return;
+  run_segments(segs, fns, offsets);
+}
 
-  // One parallel loop over the virtual element space of all segments of all groups.
-  at::parallel_for(0, total, kGrain, [&](int64_t begin, int64_t end) {
-    int64_t k = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
-    int64_t pos = begin;
-    while (pos < end) {
-      const int64_t seg_lo = offsets[k], seg_hi = offsets[k + 1];
-      const int64_t stop = std::min(end, seg_hi);
-      fns[k](segs[k], pos - seg_lo, stop - seg_lo);
-      pos = stop;
-      ++k;
+void fused_adamw_cpu_plan(const std::vector<PlanSegment>& records, const void* const* grad_ptrs,
+                          const at::Tensor& steps, const at::Tensor& group_hparams,
+                          const std::optional<at::Tensor>& grad_scale,
+                          const std::optional<at::Tensor>& found_inf) {
+  check_scalar_tensor(grad_scale, "grad_scale");
+  check_scalar_tensor(found_inf, "found_inf");
+  if (records.empty()) return;
+  if (found_inf.has_value() && found_inf->item<float>() != 0.0f) return;
+  const double scale = grad_scale.has_value() ? double(grad_scale->item<float>()) : 1.0;
+  const at::Tensor steps_c = steps.contiguous();
+  const at::Tensor hp_c = group_hparams.contiguous();
+  const float* step_ptr = steps_c.data_ptr<float>();
+  const double* hp = hp_c.data_ptr<double>();
+  // Per segment: a few loads and stores; the scalars once per (group, step) run.
+  std::vector<Segment> segs;
+  std::vector<KernelFn> fns;
+  std::vector<int64_t> offsets;
+  segs.reserve(records.size());
+  fns.reserve(records.size());
+  offsets.reserve(records.size() + 1);
+  offsets.push_back(0);
+  Scalars last_sc{};
+  int64_t last_group = -1;
+  float last_step = 0.0f;
+  for (size_t k = 0; k < records.size(); ++k) {
+    const PlanSegment& r = records[k];
+    Segment sg;
+    sg.p = r.p;
+    sg.g = grad_ptrs[r.index];
+    sg.m = r.m;
+    sg.v = r.v;
+    sg.vmax = r.vmax;
+    sg.w = r.w;
+    sg.numel = r.numel;
+    sg.pkind = r.flags & 3;
+    sg.skind = (r.flags >> 2) & 3;
+    const float step = step_ptr[r.index];
+    if (r.group != last_group || !(step == last_step)) {
+      last_sc = make_scalars(hp + int64_t(r.group) * kCols, double(step), scale);
+      last_group = r.group;
+      last_step = step;
     }
-  });
+    sg.sc = last_sc;
+    add_segment(segs, fns, offsets, sg,
+                pick_kernel(sg.pkind, sg.skind, (r.flags & kAms) != 0, (r.flags & kMaster) != 0));
+  }
+  run_segments(segs, fns, offsets);
 }
 
 }  // namespace adamw

@@ -25,6 +25,7 @@
 
 #include "fused_adamw_common.h"
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -104,6 +105,7 @@ class AdamWPlan : public torch::CustomClassHolder {
     seg_off_bytes_.resize(S);
     whole_.resize(S);
     check_vec_.resize(S);
+    impls_.resize(S);
     grad_ptrs_.assign(S, nullptr);
     for (int64_t i = 0; i < S; ++i) {
       const int64_t gi = group[i], j = src[i];
@@ -129,6 +131,11 @@ class AdamWPlan : public torch::CustomClassHolder {
       // the pointers each step must find again: param, moments, max, master
       check_vec_[i] = {p.const_data_ptr(), m.const_data_ptr(), v.const_data_ptr(),
                        vmax, master, n};
+      // (the tensors themselves, held by the lists: ready() reads their storage directly)
+      impls_[i] = {p.unsafeGetTensorImpl(), m.unsafeGetTensorImpl(),
+                   v.unsafeGetTensorImpl(),
+                   vmax != nullptr ? max_exp_avg_sqs_.get(i).unsafeGetTensorImpl() : nullptr,
+                   master != nullptr ? masters_.get(i).unsafeGetTensorImpl() : nullptr};
       if (n == 0) continue;
       grad_ptrs_[i] = g.const_data_ptr();
       PlanSegment s = make_segment(i, gi, p, grad_ptrs_[i], m, v, vmax, master);
@@ -163,17 +170,16 @@ class AdamWPlan : public torch::CustomClassHolder {
     }
     size_t k = 0;  // the non-empty segments, in order
     for (int64_t i = 0; i < S_; ++i) {
-      const at::Tensor& p = params_.get(i);
       const SegPtrs& want = check_vec_[i];
-      if (p.const_data_ptr() != want.p || p.numel() != want.numel ||
-          exp_avgs_.get(i).const_data_ptr() != want.m ||
-          exp_avg_sqs_.get(i).const_data_ptr() != want.v) {
+      const auto& t = impls_[i];
+      // (each tensor's data pointer as const_data_ptr() gives it, read from its storage
+      // without that call's checks and reference counting: thousands of tensors a step)
+      if (where(t[0]) != want.p || t[0]->numel() != want.numel || where(t[1]) != want.m ||
+          where(t[2]) != want.v) {
         return false;
       }
-      if (want.vmax != nullptr && max_exp_avg_sqs_.get(i).const_data_ptr() != want.vmax) {
-        return false;
-      }
-      if (want.w != nullptr && masters_.get(i).const_data_ptr() != want.w) return false;
+      if (want.vmax != nullptr && where(t[3]) != want.vmax) return false;
+      if (want.w != nullptr && where(t[4]) != want.w) return false;
       const char* g = src_base_[seg_src_[i]] + seg_off_bytes_[i];
       if (want.numel > 0) {
         if (!aligned_to(g, grad_align_[k])) return false;  // built for vector accesses
@@ -202,17 +208,9 @@ class AdamWPlan : public torch::CustomClassHolder {
                   "AdamWPlan.run: amsgrad of group ", g, " changed since the plan was built");
     }
     if (device_.is_cpu()) {
-      // The CPU kernel on the kept lists and this step's grads (its own checks included).
-      c10::List<at::Tensor> grads;
-      grads.reserve(S_);
-      for (int64_t i = 0; i < S_; ++i) {
-        const at::Tensor& g = sources_[seg_src_[i]].grad();
-        const int64_t n = params_.get(i).numel();
-        grads.push_back(whole_[i] ? g : g.view({-1}).narrow(
-                                            0, seg_off_bytes_[i] / g.element_size(), n));
-      }
-      fused_adamw_cpu(params_, grads, exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, steps,
-                      groups_, hp, grad_scale, found_inf, masters_);
+      // The CPU kernel on the records checked at the build and the grads ready() found
+      // (their dtype, numel, contiguity and every state tensor's storage as at the build).
+      fused_adamw_cpu_plan(segs_, grad_ptrs_.data(), steps, hp, grad_scale, found_inf);
       return;
     }
     for (const std::optional<at::Tensor>* t : {&grad_scale, &found_inf}) {
@@ -251,6 +249,13 @@ class AdamWPlan : public torch::CustomClassHolder {
   std::vector<int64_t> seg_src_, seg_off_bytes_;
   std::vector<bool> whole_;
   std::vector<SegPtrs> check_vec_;
+  std::vector<std::array<const c10::TensorImpl*, 5>> impls_;  // p, m, v, vmax, master
+
+  static const void* where(const c10::TensorImpl* t) {
+    const c10::Storage& st = t->unsafe_storage();
+    if (!st) return nullptr;
+    return static_cast<const char*>(st.data()) + t->storage_offset() * t->itemsize();
+  }
   std::vector<int64_t> grad_align_;  // per non-empty segment: the grad's required alignment
   std::vector<const char*> src_base_;
   std::vector<const void*> grad_ptrs_;  // per segment, as of the last ready()

@@ -290,3 +290,48 @@ def test_bench_host_cost_quick():
     # with the overlap too: the exchange left in flight ends within the forward (its last
     # module waits for the rest), so the backward's collectives are the hook's alone
     assert by_mode["zero_ext+hook+ov"][4] == "17", by_mode["zero_ext+hook+ov"]
+
+
+def test_bench_resident_memory_offload_leaves_no_state_on_the_device():
+    """bench_resident_memory.py at world 2 (GPT-2 small / 16 width, bf16 + masters): the
+    device bytes per param it counts from the tensors are weights + grads + state (3) without
+    offload_optimizer, and weights + grads + the bounded staging with it, no state and no
+    masters (the issue's target: 0 bytes per param); half the share keeps some on the
+    device. Counted bytes only: resident memory is printed, never asserted."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_resident_memory.py"),
+         "--worlds", "2", "--width-div", "16", "--steps", "1", "--configs",
+         "ours-bf16-master,ours-bf16-master-offload,ours-bf16-master-offload-half"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    by_cfg = {}
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| 2 ") and len(cells) == 10:
+            by_cfg[cells[1]] = cells
+    plain, whole, half = (by_cfg[c] for c in ("ours-bf16-master", "ours-bf16-master-offload",
+                                              "ours-bf16-master-offload-half"))
+    state = lambda cells: [float(x) for x in cells[5].split(" / ")]  # noqa: E731 (mean, max)
+    assert state(plain) == [6.0, 6.0], plain  # 12 bytes per param of the share, world 2
+    assert state(whole) == [0.0, 0.0], whole
+    assert 0.0 < state(half)[0] < 6.0, half
+    import re
+
+    from zero_ext.offload import STAGE_BYTES
+    numel = int(re.search(r"([\d,]+) params", out.stdout).group(1).replace(",", ""))
+    # the staging: at most one STAGE_BYTES buffer per (device, dtype) without the hook
+    assert float(whole[6]) * numel <= STAGE_BYTES * 1.01, whole
+    assert float(whole[8]) == 6.0, whole  # the state and masters, in host memory
+
+
+def test_bench_offload_quick():
+    """bench_offload.py --quick: the host step next to its peers and the copies next to a
+    plain copy_, every set, without DeepSpeed where it is not installed (a line says so)."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_offload.py"), "--quick",
+         "--reps", "2", "--max-seconds", "2"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("zero_ext offload host step") == 3, out.stdout
+    assert out.stdout.count("offload pull (grads + params") == 3, out.stdout
+    assert "DeepSpeedCPUAdam" in out.stdout  # (its rows, or the line saying it is skipped)

@@ -36,7 +36,9 @@ line that replays it: ``replay(spec)`` (any process; it spawns the world).
 Legitimate refusals at construction are not failures, if every rank raises alike:
 sharding="flat" with a class not known to be element-wise (ValueError mentioning "flat"),
 bucket views with complex params (mentioning "complex"), and tied params (ValueError or
-TypeError): issue 8 accepts a clear error there instead of parity.
+TypeError; with offload_optimizer, which refuses them): issue 8 accepts a clear error there
+instead of parity. offload_optimizer (issue 46) is drawn for every class but CustomAdamW
+(which it refuses): the whole share or half of it stepped on the host.
 
 Next to the drawn specs, ``targeted_specs()`` holds one hand-written spec per bug of issue 8
 (items 1-6, 8, 10) at every world size, so the default run catches each of them if it comes
@@ -294,11 +296,15 @@ def draw_spec(rnd: random.Random) -> dict:
         events.append([ev, args])
     n_steps = sum(e[0] in ("step", "kwstep", "ddp_step") for e in events)
     events += [["step", {"skip": []}] for _ in range(max(1, 3 - n_steps))]
-    return {"world": world, "cls": cls, "shapes": shapes, "dtypes": dtypes,
+    spec = {"world": world, "cls": cls, "shapes": shapes, "dtypes": dtypes,
             "groups": init_groups, "later": later_groups, "defaults": defaults,
             "sharding": sharding, "bv": bv, "tie": tie, "ddp_init": ddp_init,
             "sched": sched, "events": events, "seed": rnd.randint(0, 10_000),
             "masters": masters, "ddp": ddp, "reference_kernels": reference_kernels}
+    # offload_optimizer (issue 46), drawn last: the choices above stay what they were
+    spec["offload"] = rnd.choice([False, False, False, True, 0.5]) if cls != "custom" \
+        else False
+    return spec
 
 
 def draw_specs(n: int = N_EXAMPLES, seed=SEED) -> list:
@@ -462,7 +468,11 @@ class _Run:
         self.check_balance("construction")
 
     def _master_kw(self):
-        return {"master_weights": True} if self.spec.get("masters") else {}
+        """master_weights and offload_optimizer, as the spec draws them."""
+        kw = {"master_weights": True} if self.spec.get("masters") else {}
+        if self.spec.get("offload"):
+            kw["offload_optimizer"] = self.spec["offload"]
+        return kw
 
     def _fresh_grads(self, s, skipf=None):
         """The same grads for both; with masters the reference gets them upcast."""
@@ -1102,3 +1112,6 @@ def test_harness_draws_every_kind_of_event():
     assert sum(clip_then_layout(s["events"]) for s in specs) >= 10
     assert {e[1]["norm_type"] for s in specs for e in s["events"] if e[0] == "clip"} == {
         2.0, 1.0, float("inf"), -float("inf")}
+    # offload_optimizer (issue 46): the whole share and a fraction, with DDP's grads, masters
+    assert {s["offload"] for s in specs} == {False, True, 0.5}
+    assert any(s["offload"] and s["ddp"] and s["masters"] and s["world"] > 1 for s in specs)

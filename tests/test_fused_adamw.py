@@ -320,6 +320,62 @@ def test_cpu_isa_paths_match_reference(isa):
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2", "default"])
+def test_cpu_unscaled_path_equals_the_scaled_one(isa):
+    """Without a grad_scale (or with 1.0) the CPU kernel leaves the division of the grads
+    out (a vector division costs about as much as the rest of an element's arithmetic);
+    with x / 2 exact, grads 2g with grad_scale 2 must give bitwise what g gives unscaled,
+    on every ISA path and dtype mix (fp32, bf16 with float32 masters)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    _need_native("cpu")
+    code = textwrap.dedent("""
+        import torch
+        from zero_ext.kernels import adamw as K
+        groups = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+                  dict(lr=3e-3, betas=(0.3, 0.99), eps=1e-6, weight_decay=0.0, amsgrad=True,
+                       maximize=True)]
+        table = K.group_hparams_table(groups)
+        sizes = [1, 15, 16, 17, 33, 4097]
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.Generator().manual_seed(0)
+            def seg(n, ams):
+                st = torch.float32
+                return [torch.randn(n, generator=g).to(dtype),
+                        torch.randn(n, generator=g).to(dtype),
+                        0.1 * torch.randn(n, generator=g), 0.1 * torch.rand(n, generator=g),
+                        0.1 * torch.rand(n, generator=g) if ams else torch.empty(0)]
+            segs = [seg(n, i % 2 == 1) for i, n in enumerate(sizes)]
+            masters = [s[0].float() for s in segs] if dtype != torch.float32 else []
+            steps = torch.arange(1, len(sizes) + 1, dtype=torch.float32)
+            sg = torch.tensor([i % 2 for i in range(len(sizes))])
+            runs = []
+            for gs, mul in ((None, 1.0), (torch.tensor([1.0]), 1.0), (torch.tensor([2.0]), 2.0)):
+                a = [[t.clone() for t in s] for s in segs]
+                for s in a:
+                    s[1] = (s[1].float() * mul).to(dtype)
+                w = [m.clone() for m in masters]
+                K.fused_adamw_(*[[s[j] for s in a] for j in range(5)], steps, sg, table,
+                               grad_scale=gs, masters=w)
+                runs.append([t for s in a for t in (s[0], s[2], s[3], s[4])] + w)
+            for other in runs[1:]:
+                for x, y in zip(runs[0], other):
+                    assert torch.equal(x, y), (dtype, x, y)
+        print("OK")
+    """)
+    env = dict(os.environ)
+    if isa != "native":
+        env["ZERO_EXT_CPU_ISA"] = isa
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
 def _opcheck_args(device):
     segs = _segments(device, torch.float32, torch.float32, [64, 3], [0, 1], seed=11)
     return ([s[0] for s in segs], [s[1] for s in segs], [s[2] for s in segs],

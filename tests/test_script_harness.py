@@ -158,7 +158,8 @@ class Side:
             self.opt = ZeroRedundancyOptimizer(
                 groups_, cls, process_group=shard_group, sharding=spec["sharding"],
                 overlap_with_ddp=spec["hook"] == "overlap",
-                overlap_param_gather=spec.get("gather", False), **HP[spec["cls"]])
+                overlap_param_gather=spec.get("gather", False),
+                offload_optimizer=spec.get("offload", False), **HP[spec["cls"]])
             self._register_hooks()
         else:
             self.opt = cls(groups_, **HP[spec["cls"]])
@@ -615,6 +616,7 @@ def script(world, hook, sharding, iters=4, **kw):
             "complex": False, "models": "one", "extra": None, "layout": "job",
             "state_none": False, "scaler": False, "set_to_none": True, "transport": None,
             "segment_bytes": None, "direct_gather": False, "gather": False, "join": False,
+            "offload": False,
             "iters": [_event() for _ in range(iters)]}
     events = kw.pop("events", {})
     spec.update(kw)
@@ -689,6 +691,9 @@ def draw_script(rnd: random.Random) -> dict:
     elif (hook == "none" and layout == "job" and models == "one" and not scaler
           and extra != "plain" and not static and rnd.random() < 0.5):
         spec["join"] = True  # (uneven inputs at the end, inside a Join)
+    # offload_optimizer (issue 46), drawn last (the choices above stay what they were); not
+    # with overlap_with_ddp, which it refuses
+    spec["offload"] = rnd.choice([False, False, True, 0.5]) if hook != "overlap" else False
     return spec
 
 
@@ -838,6 +843,13 @@ def test_harness_draws_every_feature():
     assert any(s["direct_gather"] for s in specs)
     assert {s["sharding"] for s in specs if s["join"]} == set(SHARDINGS)
     assert any(s["join"] and s["gather"] for s in specs)
+    # offload_optimizer with the hook, GradScaler, activation checkpointing, complex params
+    off = [s for s in specs if s["offload"]]
+    assert {s["offload"] for s in off} == {True, 0.5}
+    assert {s["hook"] for s in off} == {"none", "rs"}
+    assert any(s["scaler"] and s["hook"] == "rs" for s in off)
+    assert any(s["ckpt"] == "reentrant" and s["hook"] == "rs" for s in off)
+    assert any(s["complex"] for s in off) and any(s["join"] for s in off)
     assert {s["world"] for s in specs if s["join"]} == {2, 3}
     # the inf lands in elements of every owner: any of the weight's elements, on any rank
     assert len({ev["inf"][1] // 64 for s, ev in evs if ev["inf"]}) == 4

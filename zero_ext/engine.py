@@ -238,7 +238,12 @@ class _Plan:
 
 
 def _to(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
-    return None if t is None else t.to(device, non_blocking=True)
+    """`t` on `device` for a kernel call there. Onto the CPU the copy blocks: the CPU kernel
+    reads it at once (a non-blocking copy from a GPU would hand it memory not yet written:
+    the GradScaler's scale or a clip factor for offload_optimizer's host step)."""
+    if t is None or t.device == device:
+        return t
+    return t.to(device, non_blocking=device.type != "cpu")
 
 
 def _elements(t: Tensor, offset: int, length: int, real: bool) -> Tensor:
@@ -265,6 +270,10 @@ class AdamWEngine:
         self.optimizer_class = optimizer_class or torch.optim.AdamW
         self.master_weights = bool(master_weights)
         self._plan: Optional[_Plan] = None
+        # state_alloc(key, name, dtype): the memory of a new per-element state tensor of
+        # `key` (zeroed, the key's shape), or None for a tensor of its own
+        # (offload_optimizer's host part: views into flat host buffers)
+        self.state_alloc: Optional[Callable[[Tensor, str, torch.dtype], Optional[Tensor]]] = None
 
     def invalidate(self) -> None:
         """Forget the cached lists (call after replacing state tensors behind our back)."""
@@ -274,7 +283,10 @@ class AdamWEngine:
     def step(self, param_groups: Sequence[Dict[str, Any]], state: Dict[Tensor, Dict[str, Any]],
              layout: Optional[StepLayout] = None, grad_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None,
-             after_chunk: Optional[Callable[[int], None]] = None) -> None:
+             after_chunk: Optional[Callable[[int], None]] = None,
+             before_host: Optional[Callable[[], None]] = None) -> None:
+        """One step of `layout` (every param whole when None). `after_chunk(k)` runs once
+        chunk k is stepped; `before_host()` once, before the first call on the CPU."""
         plan = self._plan
         key = self._key(param_groups, state)
         auto = layout is None
@@ -300,6 +312,9 @@ class AdamWEngine:
             pack.flat.add_(1 if mask is None else mask)
         for k, calls in enumerate(plan.chunks):
             for call in calls:
+                if before_host is not None and call.device.type == "cpu":
+                    before_host()
+                    before_host = None
                 if native:
                     call.native.run(self._steps(call), table,
                                     _to(grad_scale, call.device), _to(found_inf, call.device))
@@ -362,7 +377,7 @@ class AdamWEngine:
                     raise RuntimeError("AdamW's fused step does not support sparse gradients")
                 stepping[id(s.key)] = self._init_state(state, s.key, ams[s.group],
                                                        on_device[s.group],
-                                                       self.master_weights)
+                                                       self.master_weights, self.state_alloc)
         keys = {id(seg.key): seg.key for chunk in layout.chunks for seg in chunk}
         if self.master_weights:
             _share_masters(keys, stepping)
@@ -426,24 +441,32 @@ class AdamWEngine:
 
     @staticmethod
     def _init_state(state, key: Tensor, amsgrad: bool, on_device: bool,
-                    master_weights: bool = False) -> dict:
+                    master_weights: bool = False, alloc=None) -> dict:
         """torch.optim.AdamW's per-param state, created at the param's first grad; with
-        master weights, float32 moments and a float32 master for a bf16/fp16 key."""
+        master weights, float32 moments and a float32 master for a bf16/fp16 key.
+        `alloc`: AdamWEngine.state_alloc."""
         st = state[key]
         master = master_weights and has_master(key)
         dtype = torch.float32 if master else key.dtype
+
+        def zeros(name):
+            t = None if alloc is None else alloc(key, name, dtype)
+            return t if t is not None else torch.zeros_like(
+                key, dtype=dtype, memory_format=torch.preserve_format)
+
         if len(st) == 0:
             st["step"] = torch.zeros((), dtype=torch.float32,
                                      device=key.device if on_device else "cpu")
-            st["exp_avg"] = torch.zeros_like(key, dtype=dtype,
-                                             memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(key, dtype=dtype,
-                                                memory_format=torch.preserve_format)
+            st["exp_avg"] = zeros("exp_avg")
+            st["exp_avg_sq"] = zeros("exp_avg_sq")
         if amsgrad and "max_exp_avg_sq" not in st:
-            st["max_exp_avg_sq"] = torch.zeros_like(key, dtype=dtype,
-                                                    memory_format=torch.preserve_format)
+            st["max_exp_avg_sq"] = zeros("max_exp_avg_sq")
         if master:
+            fresh = MASTER not in st
             ensure_master_state(st, key)
+            t = alloc(key, MASTER, torch.float32) if fresh and alloc is not None else None
+            if t is not None:
+                st[MASTER] = t.copy_(st[MASTER])
         return st
 
     def _call(self, dev, segs: List[Segment], stepping, ams, packs, sources) -> _Call:

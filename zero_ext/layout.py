@@ -215,7 +215,9 @@ def chunk_bounds(lo: int, hi: int, chunks: int, align: int) -> list[tuple[int, i
 @dataclass
 class LocalPiece:
     """One tensor this rank's local optimizer steps, its state living under `key`: a whole
-    param in "param" mode, a 1-D view of a run of one param's elements in "flat" mode."""
+    param in "param" mode, a 1-D view of a run of one param's elements in "flat" mode, or
+    (`host`, offload_optimizer) a host tensor of its own that stands in for those elements
+    (offload.HostShard: copied from the param before the step, into it after)."""
 
     key: torch.Tensor
     param_id: int        # global index (torch's state-dict numbering)
@@ -224,6 +226,7 @@ class LocalPiece:
     group: int
     bucket: int          # index into ShardPlan.buckets; -1 when outside every bucket
     bucket_start: int    # where `start` sits in that bucket
+    host: bool = False   # the key is a host copy (offload_optimizer), not the param's memory
 
 
 @dataclass
@@ -323,7 +326,7 @@ class ShardPlan:
         if self.sharding not in SPLIT_MODES:
             return
         for lp in self.local:
-            if lp.param_id in param_ids:
+            if lp.param_id in param_ids and not lp.host:  # (a host key is memory of its own)
                 lp.key.data = self.element_view(lp.param_id, lp.start, lp.length)
 
     # ---------------------------------------------------------------- reading

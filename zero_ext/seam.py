@@ -77,6 +77,9 @@ class HookSeam:
         self._index: tuple | None = None
         self._ownership: tuple | None = None
         self._step_warned = False
+        # (offload_optimizer) param ids whose grads are as reduce_scatter_hook left them,
+        # set by the hook's check at each step (its copies to the host hold for those)
+        self.unchanged: set = set()
         _LIVE[next(_built)] = zero
 
     @property
@@ -129,6 +132,16 @@ class HookSeam:
         return self._zero()._join_config.enable
 
     @property
+    def wants_unchanged(self) -> bool:
+        """Whether the step needs `unchanged` (offload_optimizer uses the hook's copies)."""
+        return self._zero()._offload is not None
+
+    def take_unchanged(self) -> set:
+        """`unchanged` as the hook's check left it for this step, then reset."""
+        out, self.unchanged = self.unchanged, set()
+        return out
+
+    @property
     def overlap_with_ddp(self) -> bool:
         return self._zero()._overlap_with_ddp
 
@@ -148,7 +161,7 @@ class HookSeam:
         zero = self._zero()
         moved = zero._replicas.refresh()
         if moved:
-            self.reset_fused_views()
+            zero._memory_moved()
         return moved
 
     def fused_step_supported(self) -> bool:
@@ -174,6 +187,16 @@ class HookSeam:
             return g.view(-1)[start:start + length]
 
         zero._replicas.exchange_views(view_of, lambda pid: pid in param_ids)
+
+    def bucket_reduced(self, param_ids: tuple, bucket, fut):
+        """reduce_scatter_hook reduces a DDP bucket of these params; `fut` completes once
+        this rank's owned sums are in the bucket. Returns the future to hand DDP: with
+        offload_optimizer, one that completes once the host pieces' grads among them are
+        on their way to the host (offload.HostShard.pull_bucket), else `fut` itself."""
+        host = self._zero()._offload
+        if host is None or not host.slots:
+            return fut
+        return host.pull_bucket(param_ids, bucket.gradients(), fut)
 
     def wait_for_params(self) -> None:
         """The last step's exchange, if left in flight (overlap_param_gather), completed:

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from . import amp, grad_norm
 from . import groups as groups_mod
-from . import hybrid, kernels, launcher, layout, state
+from . import hybrid, kernels, launcher, layout, offload, state
 from .agree import agree, agree_on_inputs, call_and_agree, rendezvous
 from .fused_adamw import FusedAdamW, fused_path_supported, keep_step_eager
 from .local_step import FusedShardStep
@@ -57,6 +57,17 @@ def is_elementwise(optimizer_class: type) -> bool:
         return True
     return (getattr(optimizer_class, "__module__", "").startswith("torch.optim")
             and optimizer_class.__name__ in _ELEMENTWISE)
+
+
+def _push_before_first(host, send):
+    """after_chunk with offload_optimizer and overlapped sends: the host's updated part goes
+    to the device before chunk 0 is sent (it was stepped in chunk 0)."""
+    def after(k: int) -> None:
+        if k == 0:
+            host.wait()
+            host.push()
+        send(k)
+    return after
 
 
 class _ZeroJoinHook(JoinHook):
@@ -107,6 +118,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     :meth:`clip_grad_norm_` clips by the global grad norm from the owned elements only and
     applies the clip inside the next step; ``torch.amp.GradScaler`` is supported
     (``_step_supports_amp_scaling``): an inf on any rank skips the step on every rank.
+
+    ``offload_optimizer=True`` (ZeRO-Offload, the name of DeepSpeed's option): this rank's
+    optimizer state, and its float32 masters with ``master_weights=True``, live in host memory
+    (the copies that cross the link pinned, where the params are on a GPU) and its share is
+    stepped on the host: the owned
+    grads go device to host (per DDP bucket as it becomes final with reduce_scatter_hook, at
+    the step otherwise), the fused C++ AdamW (or ``optimizer_class``'s own CPU step) updates
+    them, and the updated share goes back to the device before the params' exchange. A
+    number in [0, 1] steps that fraction of each rank's share on the host and the rest on the
+    device, both at once (Megatron's ``--optimizer-offload-fraction``); ``True`` is 1.
+    ``offload_numel`` tells how many elements of the share are stepped on the host.
     """
 
     _step_supports_amp_scaling = True
@@ -114,7 +136,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def __init__(self, params, optimizer_class: type, process_group: Any = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
                  *, sharding: str = "auto", master_weights: bool = False,
-                 overlap_param_gather: bool = False, **defaults: Any):
+                 overlap_param_gather: bool = False,
+                 offload_optimizer: bool | float = False, **defaults: Any):
         self._initialized = False
         # a single process without a group, an error when torchrun says there are more
         self.process_group, self.world_size, self.rank = launcher.process_group_of(process_group)
@@ -123,7 +146,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                                     self.world_size)
 
         # Validate locally, then agree across ranks before anything else is collective.
-        error, lines, groups, spans_nodes = None, [], [], False
+        error, lines, groups, spans_nodes, fraction = None, [], [], False, 0.0
         try:
             if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
                 raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass, got "
@@ -153,10 +176,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     "sharding='even' keeps every param in its own memory (each is split over "
                     "all ranks, exchanged straight into the params): parameters_as_bucket_view"
                     "=True has no buffer to view; use sharding='flat' for bucket views")
+            fraction = offload.resolve_option(offload_optimizer)
             groups = groups_mod.normalize_param_groups(params)
             groups_mod.validate_hyperparameters(optimizer_class, groups, defaults)
             flat_params = [p for g in groups for p in g["params"]]
             aliases = layout.find_aliases(flat_params)
+            if fraction > 0:
+                offload.check_supported(optimizer_class, bool(overlap_with_ddp), flat_params,
+                                        bool(aliases))
             if splits:
                 if any(not p.is_contiguous() for p in flat_params):
                     raise ValueError(f"sharding={sharding!r} needs contiguous parameters")
@@ -178,6 +205,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "overlap_with_ddp": bool(overlap_with_ddp),
                 "master_weights": master_weights,
                 "overlap_param_gather": overlap_param_gather,
+                "offload_optimizer": fraction,
                 "defaults": sorted(defaults.items())})
         except Exception as exc:  # noqa: BLE001 - re-raised after the other ranks know
             error = exc
@@ -217,6 +245,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.last_step_timings: dict[str, float] = {}
         self._stepper: FusedShardStep | None = None  # built at the first fused step
         self._fused_kernel_usable: bool | None = None
+        # offload_optimizer: the part of the share stepped on the host (offload.py)
+        self._offload = offload.HostShard(fraction) if fraction > 0 else None
+        # (the step's: param ids whose grads the hook sent to the host are still its grads)
+        self._early_valid: set = set()
 
         # sharding="auto" may still become "even" at reduce_scatter_hook's first call
         self._auto_open = sharding == "auto"
@@ -232,6 +264,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             # step() reads the carried clip factors of the same grads and passes them in
             # its grad_scale: read twice, they would clip twice
             self.optim.reads_carried_clips = False
+            if self._offload is not None:  # (its engine makes the host state packed)
+                self.optim._engine.state_alloc = self._offload.alloc_state
         self._adopt_optimizer_defaults()
         self._initialized = True
 
@@ -288,6 +322,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _repartition(self, sharding: str) -> None:
         """A fresh partition of every param while nothing holds optimizer state."""
+        if self._offload is not None:
+            self._offload.reset()  # (no state anywhere: every piece placed anew)
         self.plan = self._new_plan(sharding)
         self.sharding = self.plan.sharding
         self.optim.param_groups.clear()
@@ -341,17 +377,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._fused_kernel_usable is None:
             # From all params, not this rank's: every rank must take the same path.
             # Params over another's memory must be stepped one after the other, as torch's
-            # optimizers do, not by one parallel kernel.
+            # optimizers do, not by one parallel kernel. (offload_optimizer: the host too.)
+            devices = {p.device for p in self._all_params}
+            if self._offload is not None:
+                devices.add(torch.device("cpu"))
             self._fused_kernel_usable = (
                 not self.plan.alias_of
                 and all(p.is_contiguous() for p in self._all_params)
-                and all(kernels.native_available("fused_adamw_", d)
-                        for d in {p.device for p in self._all_params}))
+                and all(kernels.native_available("fused_adamw_", d) for d in devices))
         return self._fused_kernel_usable
 
     def _fused_step(self) -> FusedShardStep:
         if self._stepper is None:
-            self._stepper = FusedShardStep(self.plan, self.optim, self.master_weights)
+            self._stepper = FusedShardStep(
+                self.plan, self.optim, self.master_weights,
+                None if self._offload is None else self._offload.alloc_state)
         return self._stepper
 
     def _chunks_per_step(self, plan: layout.ShardPlan) -> int:
@@ -371,6 +411,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def local_numel(self) -> int:
         """Parameter elements whose optimizer state this rank holds."""
         return self.plan.local_numel
+
+    @property
+    def offload_numel(self) -> int:
+        """Elements of this rank's share stepped on the host, their state in host memory
+        (offload_optimizer; 0 without it)."""
+        return 0 if self._offload is None else self._offload.numel
 
     @torch._disable_dynamo
     def add_param_group(self, param_group: dict) -> None:
@@ -435,6 +481,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.plan.chunks = self._chunks_per_step(self.plan)
         self._replicas.adopt(self.plan, fresh=fresh_buffers)
         self.plan.bind_local()  # after the bucket views: flat keys view the params' memory
+        if self._offload is not None:
+            self._offload.place(self.plan)  # the host pieces' keys: host memory of their own
         self._stepper, self._fused_kernel_usable = None, None
 
     # ------------------------------------------------------------------ the step
@@ -512,7 +560,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 logger.info("zero_ext: the trainable parameters changed; rebuilding buckets")
                 self.plan.rebuild_buckets()
                 self._layout_changed(fresh_buffers=True)
+        host = self._offload
         if inf:  # an inf/NaN grad on some rank: no rank steps (GradScaler backs off)
+            if host is not None:
+                host.end_step()
             self._clip_after_step()
             if closure is not None:
                 with torch.enable_grad():
@@ -526,9 +577,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         groups_mod.copy_hyperparameters(self.param_groups, self.optim.param_groups)
         use_fused = not kwargs and self._fused_step_supported()
         replicas = self._replicas
+        # offload_optimizer: grads the hook sent to the host as its buckets finished are
+        # the step's where the hook's check found them as the hook left them (not replaced,
+        # not written, not made whole by gather_grads), unless GradScaler unscaled them in
+        # place since (it then passes no grad_scale; on the CPU that moves no version)
+        unchanged = self.hook_seam.take_unchanged()
+        self._early_valid = unchanged if hooked and not (
+            found_inf is not None and grad_scale is None) else set()
+        copy_s = host.copy_seconds if host is not None else 0.0
         try:
-            if replicas.refresh() and self._stepper is not None:
-                self._stepper.reset()  # cached views of moved params
+            if replicas.refresh():
+                self._memory_moved()
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             error = exc
         # after refresh: it may give a bucket a new buffer
@@ -540,13 +599,26 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                         with torch.enable_grad():
                             loss = closure()
                     with self._clip_applied() as clip:  # after the closure: it may clip
-                        self._fused_step().run(after_chunk=sends.send if sends else None,
-                                               grad_scale=kernel_divisor(grad_scale, clip))
+                        after = sends.send if sends else None
+                        if host is not None:
+                            self._host_pull()
+                            if sends is not None:  # the host's part lands before chunk 0
+                                after = _push_before_first(host, sends.send)
+                        self._fused_step().run(after_chunk=after,
+                                               grad_scale=kernel_divisor(grad_scale, clip),
+                                               before_host=host.wait if host else None)
+                        if host is not None:
+                            host.wait()
+                            if sends is None:
+                                host.push()
                 else:
                     out = self._generic_step(closure, grad_scale, **kwargs)
                     loss = out if closure is not None else loss
             except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
                 error = exc
+            finally:
+                if host is not None:
+                    host.end_step()
         if sends is not None:
             sends.finish()  # the chunks not sent yet (all of them after an early failure)
         t1 = time.perf_counter()
@@ -555,12 +627,31 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         t2 = time.perf_counter()
         local = t1 - t0 - (sends.comm if sends else 0.0)
         self.last_step_timings = {"local": local, "comm": t2 - t0 - local, "total": t2 - t0}
+        if host is not None:  # (of "local": issuing the device-host copies, and waits)
+            self.last_step_timings["host_copy"] = host.copy_seconds - copy_s
         return loss
+
+    def _memory_moved(self) -> None:
+        """Params whose memory was replaced (Replicas.refresh): cached views are stale."""
+        if self._stepper is not None:
+            self._stepper.reset()
+        if self._offload is not None:
+            self._offload.invalidate_views()
+
+    def _host_pull(self) -> None:
+        """offload_optimizer, before the local step: the host state packed (after it was
+        made or loaded), the host pieces' grads and params copied to the host."""
+        host = self._offload
+        if host.state_unpacked and host.pack_state(self.optim.state) \
+                and self._stepper is not None:
+            self._stepper.reset()
+        host.pull(self._early_valid)
 
     def _local_step_runs_closure(self, grad_scale, kwargs) -> bool:
         """Whether this step hands its closure to optimizer_class's own step (which may
         call it again and again: LBFGS), as _generic_step does; the same on every rank."""
         if (self.sharding != layout.PARAM or grad_scale is not None
+                or self._offload is not None
                 or (self.master_weights and not issubclass(self.optimizer_class, FusedAdamW))):
             return False
         groups_mod.copy_hyperparameters(self.param_groups, self.optim.param_groups)
@@ -594,6 +685,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         with self._clip_applied() as clip:
             factor = scale_factor(grad_scale, clip)
             flat = self.sharding in layout.SPLIT_MODES
+            host = self._offload
+            if host is not None:  # the host keys' grads: copies of the owned grads
+                if not own_masters:  # (optimizer_class made or may make state itself)
+                    host.state_unpacked = True
+                self._host_pull()
+                host.wait()
             if flat:
                 self._attach_shard_grads()
             try:
@@ -606,6 +703,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self.optim.__dict__.pop("grad_scale", None)
                 if flat:
                     self._detach_shard_grads()
+            if host is not None:
+                host.push()
         return loss
 
     def _stepped_ids(self) -> list[int]:
@@ -640,6 +739,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Flat mode, generic path: each run's grad is a view of its piece of p.grad
         (no copy); None when the param has no grad, so the optimizer skips it."""
         for lp in self.plan.local:
+            if lp.host:  # (offload_optimizer: its grad is the host copy, set by the pull)
+                continue
             g = self._all_params[lp.param_id].grad
             lp.key.grad = (None if g is None else
                            g.detach().reshape(-1)[lp.start:lp.start + lp.length])
@@ -647,7 +748,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _detach_shard_grads(self) -> None:
         """Drop the views again so the user's zero_grad(set_to_none) frees the grads."""
         for lp in self.plan.local:
-            lp.key.grad = None
+            if not lp.host:
+                lp.key.grad = None
 
     @torch._disable_dynamo
     def wait_for_params(self) -> None:
@@ -665,6 +767,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     @torch._disable_dynamo
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._clip = None  # a clip computed from the old grads does not apply to new ones
+        if getattr(self, "_offload", None) is not None:
+            self._offload.end_step()  # (grads the hook copied to the host: of old grads)
         super().zero_grad(set_to_none)
 
     @torch._disable_dynamo
@@ -751,6 +855,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """(zero_ext.state's seam) New state installed: the fused step's views are stale."""
         self._state_changed()
         self._stepper = None  # rebuilt at the next fused step, over the new state
+        if self._offload is not None:
+            self._offload.state_unpacked = True  # (packed into host buffers at the step)
 
     @torch._disable_dynamo
     def state_dict(self) -> dict:

@@ -69,7 +69,9 @@ def _plan_load(opt, meta: dict) -> tuple[_Reads, dict[int, dict]]:
             s = saved.get(lp.param_id)
             p = plan.params[lp.param_id]
             # a whole param keeps its shape (param mode); a run of elements is 1-D (flat)
-            shape = p.shape if lp.length == p.numel() and lp.key is p else (lp.length,)
+            # (the key's own shape: a param mode key, the param's or its host copy's)
+            shape = lp.key.shape if lp.length == p.numel() and lp.key.shape == p.shape \
+                else (lp.length,)
             for name in (s["order"] if s else []):
                 if name in s["elems"]:
                     dest = torch.empty(shape, dtype=_dtype(s["dtypes"][name]),

@@ -65,6 +65,8 @@ def check_grads(opt, scaler: bool, error: BaseException | None
             "between backward and step re-partitions while no optimizer state exists), so "
             "their new owners hold unreduced grads. Call add_param_group before the backward "
             "or after the step; zero_grad() and a new backward continue from here")
+    if opt.hook_seam.wants_unchanged:  # (offload_optimizer: which early copies still hold)
+        opt.hook_seam.unchanged = reducer.record.unchanged_grads(scaler)
     changed = reducer.record.changed_grads(scaler)
     reducer.start_step()
     if reducer.record.accumulated:

@@ -58,7 +58,9 @@ class GradReducer:
     def reduce(self, bucket, bp: "plan.BucketPlan") -> torch.futures.Future:
         bp.used = True
         self.record.reduced(bp.param_ids, self.seam.ownership())
-        return self.transfers.reduce(bucket.buffer(), bp.segments)
+        # (offload_optimizer: the owned grads leave for the host as the bucket finishes)
+        return self.seam.bucket_reduced(bp.param_ids, bucket,
+                                        self.transfers.reduce(bucket.buffer(), bp.segments))
 
 
 # The hook's state per optimizer (the optimizer knows nothing of it)

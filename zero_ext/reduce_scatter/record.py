@@ -178,6 +178,24 @@ class Record:
                 out[i] = (bumps, _counter_key(g) if bumps else None)
         return out
 
+    def unchanged_grads(self, scaler: bool) -> set:
+        """Indices of params whose grad is the one the hook reduced, with its values as the
+        hook left them: the same tensor, its version unmoved, or moved only by GradScaler's
+        one pass over every grad when `scaler` (its inf check leaves the values; whether it
+        unscaled them in place is the step's to tell). Grads that gather_grads made whole
+        are not among them (anything may have changed them since). offload_optimizer uses
+        the copies the hook sent to the host of these only."""
+        if self.seen is None:
+            return set()
+        allowed: dict = {}
+        if scaler:
+            for p in self.seam.params:
+                if p.grad is not None and _scaler_bumps_versions(p.grad.device):
+                    k = _counter_key(p.grad)
+                    allowed[k] = allowed.get(k, 0) + 1
+        return {i for i, c in self.changes().items()
+                if c != "replaced" and (not c[0] or c[0] == allowed.get(c[1]))}
+
     def changed_grads(self, scaler: bool) -> list[int]:
         """Indices of params whose grad was replaced or written in place since the hook
         (GradScaler's one in-place pass over every grad allowed when `scaler`), also those

@@ -251,6 +251,123 @@ def test_optimizer_replaced_between_backward_and_step_is_an_error():
         assert untouched
 
 
+# ------------------------------------------------------------------ a model wrapped again
+
+class _ComplexNet(torch.nn.Module):
+    """A complex param beside real ones: DDP's first iteration buckets them apart (by
+    dtype), so a static_graph DDP's first backward hands the hook two buckets."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Linear(12, 24)
+        self.c = torch.nn.Parameter(torch.complex(torch.randn(24), torch.randn(24)) * 0.5)
+        self.head = torch.nn.Linear(24, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.emb(x))
+        z = h.to(torch.complex64) * self.c
+        return self.head(h + 0.5 * z.real + 0.25 * z.imag)
+
+
+def _wrapped_again(rank, world, sharding, old, reader):
+    """A new static_graph DDP over the same module mid-run (a new phase of the script, as
+    after a cast), the old DDP dropped or still referenced. In the new DDP's first backward
+    DDP hands every bucket to the hook as bucket 0 and none as the last: the grads must be
+    DDP's there (all-reduced, as in any DDP's first iteration), read by `reader`: torch's
+    clip (right where the grads are whole), or gather_grads and a look at every grad. Then
+    training goes on against DDP + AdamW, and the hook's savings come back (partial grads)
+    once the new DDP has rebuilt its buckets. (The hook took the new DDP for the gone or
+    the old one and reduce-scattered those buckets, unrecorded: gather_grads gathered
+    nothing and the step read partial grads unchecked.)"""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import gather_grads, reduce_scatter_hook
+
+    kw = dict(bucket_cap_mb=SMALL, static_graph=True)
+    net, ref_net = _ComplexNet(), _ComplexNet()
+    opt = ZeroRedundancyOptimizer(_groups(net), torch.optim.AdamW, sharding=sharding, **HP)
+    o_ref = torch.optim.AdamW(_groups(ref_net), **HP)
+    ddp, ref = DDP(net, **kw), DDP(ref_net, **kw)
+    ddp.register_comm_hook(opt, reduce_scatter_hook)
+    kept = []
+    partial = None
+    for it in range(7):
+        if it == 3:  # a new phase: new DDP models, the hook registered again
+            if old == "kept":
+                kept.append(ddp)
+            ddp, ref = DDP(net, **kw), DDP(ref_net, **kw)
+            ddp.register_comm_hook(opt, reduce_scatter_hook)
+            gc.collect()
+        _step_loss(ddp, rank, it).backward()
+        _step_loss(ref, rank, it).backward()
+        if it == 3 and reader == "torch-clip":
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            torch.nn.utils.clip_grad_norm_(ref_net.parameters(), 0.05)
+        elif it in (3, 6):
+            if it == 6:  # (the new DDP's buckets are rebuilt: reduce-scattered again)
+                partial = any(not torch.allclose(a.grad, b.grad, **TOL)
+                              for a, b in zip(ref_net.parameters(), net.parameters()))
+            gather_grads(opt)
+            for (name, a), b in zip(ref_net.named_parameters(), net.parameters()):
+                torch.testing.assert_close(b.grad, a.grad, **TOL,
+                                           msg=lambda m, it=it, name=name: f"{it} {name}: {m}")
+        opt.step()
+        o_ref.step()
+        opt.zero_grad()
+        o_ref.zero_grad()
+        for (name, a), b in zip(ref_net.named_parameters(), net.parameters()):
+            torch.testing.assert_close(b.detach(), a.detach(), **TOL,
+                                       msg=lambda m, it=it, name=name: f"{it} {name}: {m}")
+    return partial
+
+
+@pytest.mark.parametrize("sharding,old,reader", [
+    ("param", "dropped", "gather"), ("even", "kept", "gather"),
+    ("flat", "dropped", "torch-clip"), ("param", "kept", "torch-clip")])
+def test_a_static_graph_ddp_made_anew_reduces_its_first_backward_as_ddp(sharding, old,
+                                                                         reader):
+    for partial in run_world(_wrapped_again, 2, sharding, old, reader):
+        assert partial is True  # (and not all-reduced from then on)
+
+
+def _wrapped_again_over_a_subgroup(rank, world):
+    """World 4, the optimizer over the job: the model wrapped again in a DDP over {0,1} /
+    {2,3}, the first DDP dropped. The new DDP's pairing with the optimizer's group is checked
+    like the first one's: an error on every rank at its first backward. (The hook took the
+    new DDP for the one gone, and averaged its grads over the job, not DDP's group.)"""
+    import gc
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_ext import ZeroRedundancyOptimizer
+    from zero_ext.ddp_zero_hook import reduce_scatter_hook
+
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    net = _Net()
+    ddp = DDP(net, bucket_cap_mb=SMALL)
+    opt = ZeroRedundancyOptimizer(_groups(net), torch.optim.AdamW, sharding="flat", **HP)
+    ddp.register_comm_hook(opt, reduce_scatter_hook)
+    for it in range(3):
+        _step_loss(ddp, rank, it).backward()
+        opt.step()
+        opt.zero_grad()
+    ddp = DDP(net, bucket_cap_mb=SMALL, process_group=halves[rank // 2])
+    ddp.register_comm_hook(opt, reduce_scatter_hook)
+    gc.collect()
+    return error_of(lambda: _step_loss(ddp, rank, 3).backward())
+
+
+def test_ddp_made_anew_over_another_group_is_checked_again():
+    for rank, err in enumerate(run_world(_wrapped_again_over_a_subgroup, 4)):
+        assert err is not None and err[0] == "ValueError", err
+        assert f"{[0, 1] if rank < 2 else [2, 3]}" in err[1] and "[0, 1, 2, 3]" in err[1], err
+
+
 # ------------------------------------------------------------------ a second optimizer
 
 def _second_optimizer(rank, world):

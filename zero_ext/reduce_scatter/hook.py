@@ -90,31 +90,55 @@ def _replica_group(group):
         return None
 
 
-# What _ddp_of knows of a bucket's DDP model, by the bucket's first param: GradBucket does
-# not say which DDP runs the hook, nor over which process group. id(param) -> (weakref to
-# the param, weakref to the one DDP holding it or None, that DDP's process group, or
-# _SEVERAL when DDP models over different groups hold it, or None when none was found).
-_DDP_OF: dict = {}
+# What _ddp_of found for a DDP bucket, kept on the bucket's buffer tensor itself (GradBucket
+# does not say which DDP runs the hook, nor over which process group): DDP allocates a
+# bucket's buffer once per bucket layout (its first iteration's, the rebuilt one) and hands
+# the same tensor to the hook at every backward. So a new DDP model over the same params (a
+# model wrapped again) comes with buffers never seen and is scanned for, and a buffer freed
+# with its model takes the note along: a new buffer at a reused address starts without it,
+# where a note kept by the first param's id or the buffer's address went on naming the
+# model gone (its first iterations then went unseen; see _before_rebuild).
+_SEEN = "_zero_ext_ddps"
 _SEVERAL = object()
 
 
-def _ddp_of(p: torch.Tensor) -> tuple:
-    """(the DDP model whose bucket this is, or None when several or none hold its params;
-    its process group, or _SEVERAL, or None when no DDP model was found). One scan of the
-    live objects per bucket layout (DDP rebuilds its buckets once), cached after. `p`: the
-    bucket's first param."""
-    entry = _DDP_OF.get(id(p))
-    if entry is None or entry[0]() is not p:
-        found = _ddp_holding(p)
-        groups = {tuple(sorted(dist.get_process_group_ranks(d.process_group)))
-                  for d in found}
-        group = None if not found else (found[0].process_group if len(groups) == 1
-                                        else _SEVERAL)
-        for k in [k for k, e in _DDP_OF.items() if e[0]() is None]:
-            del _DDP_OF[k]  # (params of models gone)
-        entry = _DDP_OF[id(p)] = (weakref.ref(p),
-                                  weakref.ref(found[0]) if len(found) == 1 else None, group)
-    return (None if entry[1] is None else entry[1]()), entry[2]
+def _ddp_of(bucket, p: torch.Tensor) -> tuple:
+    """(the live DDP models that may be running this hook: those holding the bucket's first
+    param `p`, with the hook registered if any are; their process group, or _SEVERAL when
+    their groups differ, or None when none was found). One scan of the live objects per
+    bucket layout of each DDP model, and again when one of the models found is gone."""
+    buf = bucket.buffer()
+    seen = getattr(buf, _SEEN, None)
+    if seen is not None:
+        ddps = tuple(r() for r in seen[0])
+        if all(d is not None for d in ddps):
+            return ddps, seen[1]
+    found = _ddp_holding(p)
+    groups = {tuple(sorted(dist.get_process_group_ranks(d.process_group))) for d in found}
+    group = None if not found else (found[0].process_group if len(groups) == 1
+                                    else _SEVERAL)
+    setattr(buf, _SEEN, (tuple(weakref.ref(d) for d in found), group))
+    return tuple(found), group
+
+
+def _before_rebuild(ddps: tuple) -> bool:
+    """Whether the DDP model running the hook has not rebuilt its buckets yet (its first
+    iteration, the first two with static_graph; never with find_unused_parameters=True
+    without static_graph, which never rebuilds): then its buckets are all-reduced, as DDP
+    does. Its first iteration has one bucket of every grad (per dtype), rebuilt into
+    buckets of bucket_cap_mb afterwards, and reduce-scattering it would need scratch of the
+    model's size for the whole run; and a static_graph DDP's first backward hands every
+    bucket to the hook as bucket 0, none as the last (DDP's delayed all-reduce), so the
+    record of what the hook reduced would never be queued and the step would read partial
+    grads unchecked. Where several DDP models hold the params (a model wrapped again while
+    the old wrap is still referenced), which one runs is unknown: any of them that has run
+    a forward (so not one built and never used) and not rebuilt yet."""
+    def warming(d) -> bool:
+        return not d._has_rebuilt_buckets and (not d.find_unused_parameters or d.static_graph)
+
+    if len(ddps) == 1:
+        return warming(ddps[0])
+    return any(warming(d) and getattr(d, "_lazy_init_ran", True) for d in ddps)
 
 
 def _ddp_holding(param) -> list:
@@ -185,7 +209,8 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
     ``opt.step()`` as usual. See the module docstring for what ``.grad`` holds."""
     params = bucket.parameters()  # (once: a list made anew by each call)
     opt = _owner_of(params[0], state)
-    ddp, group = _ddp_of(params[0])
+    ddps, group = _ddp_of(bucket, params[0])
+    ddp = ddps[0] if len(ddps) == 1 else None
     if opt is None:  # no zero_ext optimizer holds these params: DDP's own all-reduce
         _say_all_reduced_once(bucket)
         if bucket.is_last():
@@ -213,11 +238,7 @@ def reduce_scatter_hook(state: Any, bucket: dist.GradBucket
     if group is None or group is _SEVERAL:  # (unknown: the optimizer's layout decides)
         group = None if reducer.replica_group else opt.process_group
     try:
-        if ddp is not None and not ddp._has_rebuilt_buckets and (
-                not ddp.find_unused_parameters or ddp.static_graph):
-            # DDP's first iteration: one bucket of every grad, rebuilt into buckets of
-            # bucket_cap_mb afterwards; reduce-scattering it would need scratch of the
-            # model's size for the whole run. All-reduced as DDP does: its bytes, once.
+        if _before_rebuild(ddps):  # (DDP's first iterations: its bytes, once)
             return _all_reduce(bucket, group)
         bp = reducer.bucket_plan(bucket, params)
         if bp is None:  # (params of no or another optimizer: DDP's all-reduce)

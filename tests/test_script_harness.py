@@ -475,8 +475,15 @@ def run_script(spec, ctx: Ctx):
             if raised is not None:
                 # Without the hook or a GradScaler the step's one agreement (hyperparameters
                 # included) comes after the local step: each rank has stepped its share;
-                # with overlap_with_ddp the step runs inside backward, before a closure ends
-                late = ev["hp_skew"] is not None and spec["hook"] in ("none", "overlap")
+                # with overlap_with_ddp the step runs inside backward, before a closure ends.
+                # reduce_scatter_hook adds an agreement before the step where it reduced
+                # grads, which it does not in DDP's iterations before the bucket rebuild
+                # (the first of each DDP model, the first two with static_graph: DDP's
+                # all-reduce there), so a new DDP model (cast, rewrap) steps first too
+                warm = spec["hook"] == "rs" and not any(d._has_rebuilt_buckets
+                                                        for d in cand.ddps)
+                late = ev["hp_skew"] is not None and (spec["hook"] in ("none", "overlap")
+                                                      or warm)
                 in_backward = spec["hook"] == "overlap" and ev["closure"] not in (None, "ok")
                 cand.opt.wait_for_params()
                 stepped = any(not torch.equal(a, b.detach())
@@ -780,6 +787,18 @@ def targeted_scripts() -> list:
     # the overlap hooks with checkpointing and a closure
     out.append(script(2, "overlap", "flat", 5, ckpt="reentrant",
                       events={4: dict(closure="ok")}))
+    # issue 53: new static_graph DDP models (a cast, a rewrap) whose first backward DDP
+    # hands over as bucket 0 every time, none the last (two buckets here: complex params
+    # apart): the hook took them for the models gone and reduce-scattered them unrecorded
+    # (gather_grads raised or gathered nothing, the step went unchecked); a different lr on
+    # one rank there raises after stepping, as without the hook (the spec drawn with seed 46)
+    out.append(script(2, "rs", "param", 4, static_graph=True, complex=True, events={
+        2: dict(after="cast"), 3: dict(hp_skew=("tensor", 1))}))
+    out.append(script(2, "rs", "flat", 5, static_graph=True, complex=True, events={
+        1: dict(after="cast"), 2: dict(read_grads=True), 3: dict(read_grads=True),
+        4: dict(read_grads=True)}))
+    out.append(script(3, "rs", "even", 4, static_graph=True, complex=True, state_none=True,
+                      events={1: dict(after="rewrap"), 2: dict(read_grads=True)}))
     return out
 
 

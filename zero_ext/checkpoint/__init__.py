@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .. import state
+from . import _dcp
 from ..agree import agree, rendezvous
 from ..groups import hyperparameters, plain_value
 from ..hybrid import Job, job_of
@@ -221,8 +222,8 @@ def save(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
     _agree(job, error, "zero_ext.checkpoint.save")
 
     with _quiet_single_process():
-        dcp.save(items, storage_writer=dcp.FileSystemWriter(tmp, sync_files=sync_files),
-                 process_group=job.group, no_dist=job.group is None)
+        _dcp.save(items, storage_writer=dcp.FileSystemWriter(tmp, sync_files=sync_files),
+                  process_group=job.group, no_dist=job.group is None)
     descs = gather_objects(desc, 0, job.group, job.world)
     error = None
     if job.rank == 0:

@@ -88,8 +88,13 @@ def hold_for_destroy(group=None) -> Callable[[], None]:
         _keep_forever(groups)
         return lambda: None
     ops = torch_ops()
-    for g in groups:
-        ops.hold_process_group(g.boxed())
+    try:
+        for g in groups:
+            ops.hold_process_group(g.boxed())
+    except Exception as exc:  # noqa: BLE001 - (a group that cannot be boxed) never hang
+        logging.getLogger("zero_ext").info("zero_ext: holding a process group failed (%s)",
+                                           exc)
+        _keep_forever(groups)
     del groups
 
     def release() -> None:

@@ -7,8 +7,8 @@ let go first needs the GIL to free them, and waits for it: both wait forever. ze
 that moment likely: its destroy_process_group waits for the params' exchange in flight and
 then destroys at once, while gloo's workers are still dropping the last collectives' works.
 torch 2.8 releases the GIL in the destructor ("Release GIL in PG destructor", pytorch PR
-154976; 2.7.1 still hangs, 2.8.0 does not, in the reproduction of
-tests/test_shutdown_and_amp_internals.py).
+154976): a broadcast in flight at destroy, its tensor dropped, as in
+tests/test_shutdown_and_amp_internals.py, hung 2.6.0 and 2.7.1 and not 2.8.0.
 
 So on those versions zero_ext's destroy_process_group (param_gather._waiting) first hands
 every group that torch's destroy will drop to the native library, which keeps a reference

@@ -210,6 +210,8 @@ def save(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
     opt.wait_for_params()  # (overlap_param_gather: the last step's exchange, in flight)
     path = os.path.abspath(os.fspath(path))
     job, error = _join_job(opt, job_of(opt, process_group), path, "zero_ext.checkpoint.save")
+    if error is None:  # (the job as joined: it may have narrowed to the optimizer's group)
+        error = _dcp.group_problem(job.group, "zero_ext.checkpoint.save")
     tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
     items, desc = {}, {}
     try:
@@ -256,6 +258,8 @@ def load(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
     opt.wait_for_params()  # (overlap_param_gather: the last step's exchange, in flight)
     path = os.path.abspath(os.fspath(path))
     job, error = _join_job(opt, job_of(opt, process_group), path, "zero_ext.checkpoint.load")
+    if error is None:  # (the job as joined: it may have narrowed to the optimizer's group)
+        error = _dcp.group_problem(job.group, "zero_ext.checkpoint.load")
     reads, local, meta, where = None, None, None, None
     try:
         if error is None:

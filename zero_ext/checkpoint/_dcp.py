@@ -60,3 +60,29 @@ def load(items: dict, *, storage_reader: Any, planner: Any = None, process_group
 
         _load_state_dict(state_dict=items, storage_reader=storage_reader,
                          process_group=process_group, no_dist=no_dist, planner=planner)
+
+
+def _maps_its_coordinator() -> bool:
+    """Whether DCP turns its coordinator (rank 0 of the group) into a global rank for its
+    object collectives. torch 2.6's does not: it passes the group rank as the global one,
+    which is right only where the group's first rank is global rank 0."""
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    return hasattr(_DistWrapper(None, False, 0), "global_coordinator_rank")
+
+
+def group_problem(group: Any, what: str) -> "RuntimeError | None":
+    """A clear error (the same on every rank of `group`) where this torch's DCP cannot save
+    or load over it; None where it can."""
+    if group is None or _maps_its_coordinator():
+        return None
+    first = dist.get_global_rank(group, 0)
+    if first != 0:
+        import torch
+
+        return RuntimeError(
+            f"{what}: with torch {torch.__version__}, torch.distributed.checkpoint cannot "
+            "save or load over a process group whose first rank is not global rank 0 (this "
+            f"one's is rank {first}); newer torch releases can (docs/build.md, 'Supported "
+            "torch versions'). Upgrade torch, or checkpoint with opt.state_dict().")
+    return None

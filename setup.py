@@ -106,9 +106,10 @@ setup(
     # every subpackage (a list written by hand once left zero_ext.reduce_scatter out)
     packages=find_packages(include=["zero_ext", "zero_ext.*"]),
     python_requires=">=3.9",
-    # Same lists as requirements.txt / requirements-test.txt, without the torch pin (any
-    # recent torch; the compiled ops are built against the one installed).
-    install_requires=["torch", "numpy", "ninja"],
+    # Same lists as requirements.txt / requirements-test.txt, without the torch pin: any
+    # torch from 2.6 on (the oldest release CI tests; zero_ext/torch_support.py says what
+    # differs); the compiled ops are built against the one installed.
+    install_requires=["torch>=2.6", "numpy", "ninja"],
     extras_require={"test": ["pytest", "pytest-timeout", "accelerate==1.15.0",
                              "transformers==5.23.0", "pytorch-lightning==2.6.6"]},
     ext_modules=_extensions(),

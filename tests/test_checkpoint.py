@@ -355,6 +355,51 @@ def test_convert_cli_reports_missing_checkpoint(tmp_path):
     assert checkpoint.main(["convert", str(tmp_path / "nothing"), str(tmp_path / "o.pt")]) == 1
 
 
+def _one_process_inside_a_job(rank, world, root):
+    """Single-process checkpoint work while torch.distributed is initialized: an optimizer
+    built before init_process_group (no process group: world 1) saved and loaded after it,
+    and convert() run by rank 0 alone. Rank 1 takes part in nothing meanwhile (it waits on
+    the store), so a save or load that issued collectives over the default group would time
+    out here: torch 2.6's dcp.save / dcp.load have no `no_dist` and decide "one process"
+    from dist.is_initialized() alone."""
+    import datetime
+    import time
+
+    from zero_ext import checkpoint
+
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    ps, ps2 = new_params(), new_params()
+    solo, solo2 = _zero(ps, "flat"), _zero(ps2, "flat")  # built without a process group
+    assert solo.world_size == 1 and solo.process_group is None
+    train(solo, ps, range(K))
+    dist.init_process_group("gloo", store=dist.PrefixStore("again", store), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=20))
+    out = None
+    if rank == 0:
+        path = os.path.join(root, "solo")
+        try:
+            checkpoint.save(solo, path)
+            checkpoint.load(solo2, path)
+            converted = checkpoint.convert(path, os.path.join(root, "solo.pt"))
+        finally:
+            store.set("solo_done", "1")
+        want = solo.state_dict()
+        out = {"loaded": sd_diff(solo2.state_dict(), want), "converted": sd_diff(converted, want)}
+    else:
+        deadline = time.monotonic() + 120
+        while not store.check(["solo_done"]):
+            assert time.monotonic() < deadline, "rank 0 never finished its single-process work"
+            time.sleep(0.05)
+    return out
+
+
+def test_single_process_checkpoints_inside_an_initialized_job(tmp_path):
+    out = run_world(_one_process_inside_a_job, 2, str(tmp_path))[0]
+    assert out["loaded"] == [], out["loaded"][:10]
+    assert out["converted"] == [], out["converted"][:10]
+
+
 # --------------------------------------------------------------------------------------------
 # interrupted saves
 

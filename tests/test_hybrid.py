@@ -141,6 +141,14 @@ def _hybrid_world(rank, world, root):
                                   sharding="flat", **HP)
     _train(own, ps, 0, 2)
     own_path = os.path.join(root, f"stage{rank // 2}")
+    from zero_ext.checkpoint import _dcp
+
+    if rank >= 2 and not _dcp._maps_its_coordinator():
+        # (torch 2.6's DCP cannot checkpoint over ranks {2, 3}: a clear error there; both
+        # calls are still made, the first rendezvous being over the whole job)
+        out["stage_errors"] = [error_of(lambda: checkpoint.save(own, own_path)),
+                               error_of(lambda: checkpoint.load(own, own_path))]
+        return out
     checkpoint.save(own, own_path)
     own.consolidate_state_dict()
     mine = own.state_dict() if dist.get_rank(half) == 0 else None
@@ -229,6 +237,11 @@ def test_job_wide_errors_raise_on_every_rank(hybrid, tag):
 
 def test_independent_groups_save_their_own_checkpoints(hybrid):
     for r in (0, 2):
+        if "stage_errors" in hybrid[r]:  # (torch 2.6: a group that starts at rank 2)
+            for err in hybrid[r]["stage_errors"]:
+                assert err is not None and err[0] == "RuntimeError", err
+                assert "first rank is not global rank 0" in err[1], err
+            continue
         full, reloaded = hybrid[r]["stages"]
         assert full == [] and reloaded == [], (r, full, reloaded)
 

@@ -114,3 +114,64 @@ def _wrapped_destroy(rank, world, cfg):
 
 def test_a_wrapped_destroy_process_group_still_waits():
     run_world(_wrapped_destroy, 2, dict(sharding="flat", imported_early=False))
+
+
+# ------------------------------------------------------------------ destroy without the GIL
+def _threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def _destroy_with_a_collective_in_flight(rank, world, cfg):
+    """torch before 2.8 destroys a process group holding the GIL; a gloo worker that frees a
+    finished collective's tensors (their Python objects let go first) needs the GIL: both
+    waited forever in zero_ext's destroy_process_group, which destroys right after the
+    params' exchange finished. Made certain here: rank 0's broadcast is still in flight
+    (rank 1 joins 1 s later) when it destroys the world, its tensor and work dropped. The
+    groups must be destroyed all the same (their threads gone), or, where the native library
+    is not loaded, kept alive to the end."""
+    import time
+
+    import torch.distributed as dist
+
+    from zero_ext import group_release, param_gather
+
+    if cfg["force"]:
+        group_release.GIL_HELD_BY_GROUP_DESTRUCTOR = True
+    if not cfg["native"]:
+        group_release._native = lambda: False
+    param_gather.guard_shutdown()
+    store = dist.distributed_c10d._get_default_store()
+    group = dist.new_group(backend="gloo")
+    dist.barrier()
+    with_groups = _threads()
+    if rank == 1:
+        time.sleep(1.0)
+        dist.broadcast(torch.zeros(1000), src=0, group=group)
+        store.set("in_flight_test/joined", "1")
+    else:
+        work = dist.broadcast(torch.ones(1000), src=0, group=group, async_op=True)
+        del work  # (only gloo's worker holds the tensor and the work now)
+    del group
+    dist.destroy_process_group()
+    store.wait(["in_flight_test/joined"])  # (a kept group's broadcast still needs rank 0)
+    return with_groups - _threads()  # threads gone with the groups
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs /proc")
+@pytest.mark.parametrize("native", [True, False], ids=["native", "no_native"])
+@pytest.mark.parametrize("force", [False, True], ids=["this_torch", "release_path"])
+def test_destroy_with_a_collective_in_flight(force, native):
+    from zero_ext import group_release
+
+    if not native and not (force or group_release.GIL_HELD_BY_GROUP_DESTRUCTOR):
+        pytest.skip("torch >= 2.8 destroys groups without the GIL: nothing is kept")
+    gone = run_world(_destroy_with_a_collective_in_flight, 2,
+                     dict(force=force, native=native), timeout=90)
+    destroyed = native or not (force or group_release.GIL_HELD_BY_GROUP_DESTRUCTOR)
+    for rank, n in enumerate(gone):
+        if destroyed:  # two groups of two gloo worker threads at least
+            assert n >= 4, f"rank {rank}: {n} threads gone with the groups"
+        else:
+            assert n <= 0, f"rank {rank}: the kept groups' threads went ({n})"

@@ -4,6 +4,11 @@ __all__ = ["ZeroRedundancyOptimizer", "FusedAdamW", "hybrid_groups", "native_sta
            "load_native"]
 __version__ = "0.1.0"
 
+from .torch_support import check_torch as _check_torch  # noqa: E402
+
+_check_torch()  # torch >= 2.6 (zero_ext/torch_support.py): a clear ImportError before
+#                 anything else meets an older torch
+
 
 def native_status(load=None):
     """Which ops (torch.ops.zero_ext.*) run compiled code on CPU / CUDA, and why not where they

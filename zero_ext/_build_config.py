@@ -11,7 +11,8 @@ CSRC = os.path.join(ROOT, "csrc")
 # Order does not matter. The sources only register CPU / CUDA kernels
 # (TORCH_LIBRARY_IMPL); the schemas and the default (reference) kernels are defined in Python,
 # zero_ext/kernels/_ops.py, which the loader imports before it loads the library.
-CPU_SOURCES = ["partition.cpp", "flatten_cpu.cpp", "fused_adamw_cpu.cpp", "fused_adamw_plan.cpp"]
+CPU_SOURCES = ["partition.cpp", "flatten_cpu.cpp", "fused_adamw_cpu.cpp", "fused_adamw_plan.cpp",
+               "process_groups.cpp"]
 CUDA_SOURCES = ["flatten.cu", "fused_adamw.cu"]
 
 # The library exports nothing of its own (docs/build.md, "What the library exports"): hidden

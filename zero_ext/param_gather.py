@@ -503,16 +503,24 @@ def guard_shutdown() -> None:
 
 
 def _waiting(destroy):
-    """`destroy` (torch's destroy_process_group), after every exchange in flight."""
+    """`destroy` (torch's destroy_process_group), after every exchange in flight. On torch
+    < 2.8 the groups it drops are released without the GIL (group_release)."""
+    from . import group_release
+
     def waits_first(*args, **kwargs):
         error = None
         try:
             wait_for_all_in_flight()
         except Exception as exc:  # noqa: BLE001 - raised once the groups are destroyed
             error = exc
-        out = destroy(*args, **kwargs)
-        if not dist.is_initialized():  # the whole world went: its groups with it
-            _release_groups()
+        group = kwargs["group"] if "group" in kwargs else (args[0] if args else None)
+        release = group_release.hold_for_destroy(group)
+        try:
+            out = destroy(*args, **kwargs)
+            if not dist.is_initialized():  # the whole world went: its groups with it
+                _release_groups()
+        finally:
+            release()
         if error is not None:  # the params it carried are not all there: say so
             raise error
         return out
@@ -569,6 +577,11 @@ def _wait_at_exit() -> None:
     except Exception as exc:  # noqa: BLE001 - the process is ending: say it, go on
         logging.getLogger("zero_ext").warning(
             "zero_ext: the last step's params exchange failed at exit: %s", exc)
+    # (torch < 2.8: the teardown would destroy them with the GIL held, right after the
+    # exchange's last collectives: kept alive to the end instead)
+    from . import group_release
+
+    group_release.keep_to_the_end(group_release.groups_destroyed_by(None))
 
 
 class _WaitPlan:

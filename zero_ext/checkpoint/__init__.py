@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .. import state
+from . import _dcp
 from ..agree import agree, rendezvous
 from ..groups import hyperparameters, plain_value
 from ..hybrid import Job, job_of
@@ -209,6 +210,8 @@ def save(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
     opt.wait_for_params()  # (overlap_param_gather: the last step's exchange, in flight)
     path = os.path.abspath(os.fspath(path))
     job, error = _join_job(opt, job_of(opt, process_group), path, "zero_ext.checkpoint.save")
+    if error is None:  # (the job as joined: it may have narrowed to the optimizer's group)
+        error = _dcp.group_problem(job.group, "zero_ext.checkpoint.save")
     tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
     items, desc = {}, {}
     try:
@@ -221,8 +224,8 @@ def save(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
     _agree(job, error, "zero_ext.checkpoint.save")
 
     with _quiet_single_process():
-        dcp.save(items, storage_writer=dcp.FileSystemWriter(tmp, sync_files=sync_files),
-                 process_group=job.group, no_dist=job.group is None)
+        _dcp.save(items, storage_writer=dcp.FileSystemWriter(tmp, sync_files=sync_files),
+                  process_group=job.group, no_dist=job.group is None)
     descs = gather_objects(desc, 0, job.group, job.world)
     error = None
     if job.rank == 0:
@@ -255,6 +258,8 @@ def load(optimizer: "ZeroRedundancyOptimizer", path: str | os.PathLike, *,
     opt.wait_for_params()  # (overlap_param_gather: the last step's exchange, in flight)
     path = os.path.abspath(os.fspath(path))
     job, error = _join_job(opt, job_of(opt, process_group), path, "zero_ext.checkpoint.load")
+    if error is None:  # (the job as joined: it may have narrowed to the optimizer's group)
+        error = _dcp.group_problem(job.group, "zero_ext.checkpoint.load")
     reads, local, meta, where = None, None, None, None
     try:
         if error is None:

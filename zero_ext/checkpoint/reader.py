@@ -242,8 +242,8 @@ def _make_reader(path: str, direct: bool):
 
 
 def _read(path: str, reads: _Reads, process_group, no_dist: bool, direct: bool) -> None:
-    import torch.distributed.checkpoint as dcp
+    from . import _dcp
 
     with _quiet_single_process():
-        dcp.load({}, storage_reader=_make_reader(path, direct), planner=_make_planner(reads),
-                 process_group=process_group, no_dist=no_dist)
+        _dcp.load({}, storage_reader=_make_reader(path, direct), planner=_make_planner(reads),
+                  process_group=process_group, no_dist=no_dist)

@@ -168,6 +168,9 @@ class _Buffers:
     params: Tensor
     grads: Tensor
     slots: List[_Slot] = field(default_factory=list)
+    # the fused step's grad source for the pieces' grads: a tensor over the params buffer
+    # whose .grad is the grads buffer (local_step.share_layout)
+    grad_source: Optional[Tensor] = None
     stage: Optional[Tensor] = None        # the step's staging (current stream)
     hook_stage: Optional[Tensor] = None   # the hook's staging (side stream)
 
@@ -291,6 +294,11 @@ class HostShard:
         # pieces whose grads went to the host: from the hook's buckets, or at the step
         self.pulled_early = 0
         self.pulled_at_step = 0
+        # every host piece had its grad at the last pull (the fused step may then read them
+        # all from the grads buffers: local_step.share_layout)
+        self.all_grads = False
+        # the local optimizer's state generation when it was last packed (tracked_state)
+        self.packed_generation = -1
 
     # ------------------------------------------------------------------ placement
 
@@ -343,6 +351,8 @@ class HostShard:
             b = _Buffers(dev, dtype, torch.empty((), dtype=dtype).element_size(), n,
                          torch.empty(n, dtype=dtype, pin_memory=pin),
                          torch.empty(n, dtype=dtype, pin_memory=pin))
+            b.grad_source = b.params.detach()
+            b.grad_source.grad = b.grads
             bi = len(self.buffers)
             self.buffers.append(b)
             for lp, off in zip(lps, offsets):
@@ -377,6 +387,14 @@ class HostShard:
         self._packed = None  # the host keys moved: pack the state again into new buffers
         self._state_buffers.clear()
         self.state_unpacked = True
+
+    def slot_of(self, key: Tensor) -> _Slot:
+        """The slot of a host key."""
+        return self._slot_of[id(key)]
+
+    def grad_source(self, buffer: int) -> Tensor:
+        """A tensor whose ``.grad`` is the grads buffer `buffer` (all its pieces' grads)."""
+        return self.buffers[buffer].grad_source
 
     def invalidate_views(self) -> None:
         """The params' memory moved (``p.data = t``, new bucket views): views of it taken
@@ -425,7 +443,9 @@ class HostShard:
         grads = list(map(_GRAD, self._slot_params))
         # (a key's grad dropped from outside, opt.optim.zero_grad(): attached again)
         attached = all(map(operator.is_, (s.key.grad for s in self.slots), self._slot_grads))
-        if early or any(map(operator.is_, grads, itertools.repeat(None))) or not attached:
+        missing = any(map(operator.is_, grads, itertools.repeat(None)))
+        self.all_grads = not missing
+        if early or missing or not attached:
             self._attach(grads)
             chosen = [s for s, g in zip(self.slots, grads)
                       if g is not None and s.index not in early]
@@ -477,6 +497,7 @@ class HostShard:
         sent belong to the backward before it."""
         self._early = set()
         self._early_error = None
+        self.all_grads = False  # (the next step's pull finds them again)
 
     def _attach(self, grads: list) -> None:
         """Each host key's ``.grad``: its slot of the grads buffer where the param has a

@@ -143,11 +143,11 @@ def bench_step(title, shapes, device, args, DS, reference=None):
     res = time_interleaved(fns, reps=args.reps, warmup=1, max_seconds={k: args.max_seconds
                                                                       for k in fns})
     t = {k: r[args.stat] for k, r in res.items()}
-    numel = {k: reference[2] if reference is not None and k == reference[0] else total
+    elems = {k: reference[2] if reference is not None and k == reference[0] else total
              for k in t}
     rows = [[k, f"{1e3 * res[k]['median']:.1f}", f"{1e3 * res[k]['min']:.1f}",
-             f"{v / t[HOST]:.2f}x" if numel[k] == total else "-",
-             f"{BYTES * numel[k] / v / 1e9:.1f}"] for k, v in t.items()]
+             f"{v / t[HOST]:.2f}x" if elems[k] == total else "-",
+             f"{BYTES * elems[k] / v / 1e9:.1f}"] for k, v in t.items()]
     text = print_table(f"{title}: {total / 1e6:.1f}M fp32 elements in {len(shapes)} tensors, "
                        f"{torch.get_num_threads()} threads (ms per step; ratios and GB/s from "
                        f"the {args.stat}; time / the offload host step's: above 1 is slower)",

@@ -70,7 +70,7 @@ def _grads(it, dtype):
     return [torch.randn(s, generator=g).mul_(0.1).to(dtype) for s in SIZES]
 
 
-def _change(case, it, opt, params, local_state, ref, ref_params):
+def _change(case, it, opt, keys, params, ref, ref_params):
     """The same change to ZeRO (its local optimizer, model params or groups) and to torch's
     AdamW, at step `it`; every step the hyperparameters of every group move."""
     for groups in (opt.param_groups, ref.param_groups):
@@ -82,7 +82,7 @@ def _change(case, it, opt, params, local_state, ref, ref_params):
     if it != CHANGE_AT:
         return
     for i in (TARGET, OTHER):
-        st, rst = local_state(i), ref.state[ref_params[i]]
+        st, rst = opt.optim.state[keys[i]], ref.state[ref_params[i]]
         if case == "state tensor replaced":
             st["exp_avg"] = st["exp_avg"] * 0.5
             rst["exp_avg"] = rst["exp_avg"] * 0.5
@@ -93,7 +93,7 @@ def _change(case, it, opt, params, local_state, ref, ref_params):
             st["step"] = torch.tensor(float(st["step"]) + 5.0)
             rst["step"] = torch.tensor(float(rst["step"]) + 5.0)
         elif case == "state dict reset":
-            opt.optim.state[opt._test_keys[i]] = {}
+            opt.optim.state[keys[i]] = {}
             ref.state[ref_params[i]] = {}
             if params[i].dtype != torch.float32:  # (the master, state too, is taken anew
                 ref_params[i].data = params[i].data.float()  # from the bf16 param)
@@ -119,11 +119,9 @@ def test_host_step_follows_every_change_like_torch(case, variant):
                                   offload_optimizer=fraction, master_weights=masters)
     ref = torch.optim.AdamW(_groups(ref_params, amsgrad), foreach=False)
     keys = {lp.param_id: lp.key for lp in opt.plan.local}
-    opt._test_keys = keys
-    local_state = lambda i: opt.optim.state[keys[i]]  # noqa: E731
     merged_steps = 0
     for it in range(STEPS):
-        _change(case, it, opt, params, local_state, ref, ref_params)
+        _change(case, it, opt, keys, params, ref, ref_params)
         grads = _grads(it, dtype)
         for i, (p, rp, g) in enumerate(zip(params, ref_params, grads)):
             skip = case == "grads missing" and it == CHANGE_AT and i in (TARGET, OTHER, 3)
@@ -133,7 +131,7 @@ def test_host_step_follows_every_change_like_torch(case, variant):
         ref.step()
         for i, (p, rp) in enumerate(zip(params, ref_params)):
             if masters:
-                w = local_state(i)["master"]
+                w = opt.optim.state[keys[i]]["master"]
                 torch.testing.assert_close(w.view_as(rp), rp.detach(), **TOL,
                                            msg=lambda m: f"step {it}, param {i}: {m}")
                 assert torch.equal(p.detach(), w.to(dtype).view_as(p)), (it, i)

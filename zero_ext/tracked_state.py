@@ -14,11 +14,13 @@ values need nothing (the kernel reads them), and a tensor's memory replaced in p
 (``t.data = u``, ``set_``) is not a change of the dicts: the compiled plan checks every
 state tensor's storage at each step for that.
 
-Only ``offload_optimizer`` installs it (:func:`track`), on its local optimizer, whose
-state belongs to it (its host part is packed into flat host buffers anyway); what users see
-of it: ``isinstance(state, collections.defaultdict)`` and ``isinstance(st, dict)`` hold,
-copies (``copy.copy``, ``deepcopy``, pickling, ``dict(st)``) are plain dicts and
-defaultdicts, and the optimizer's ``state_dict()`` returns plain dicts.
+Only ``offload_optimizer`` installs it (:func:`track`), on its local optimizer when that is
+stepped by the fused AdamW (whose state belongs to it: its host part is packed into flat
+host buffers anyway; torch's own steps of other classes write their state at every step,
+where counting would only cost). What users see of it: ``isinstance(state,
+collections.defaultdict)`` and ``isinstance(st, dict)`` hold, copies (``copy.copy``,
+``deepcopy``, pickling, ``dict(st)``) are plain dicts and defaultdicts, and the
+optimizer's ``state_dict()`` returns plain dicts.
 """
 from __future__ import annotations
 

@@ -260,7 +260,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if master_weights and issubclass(optimizer_class, FusedAdamW):
             local_kwargs["master_weights"] = True  # its own engine steps the masters
         self.optim = optimizer_class(self._local_groups(), **local_kwargs)
-        if self._offload is not None:  # (its changes counted: the fused step's O(1) check)
+        # offload_optimizer with the fused AdamW: the local state counts its changes (the
+        # fused step's O(1) check; torch's own steps of other classes write their state at
+        # every step, where counting would only cost)
+        self._tracked_state = self._offload is not None and issubclass(
+            optimizer_class, (torch.optim.Adam, torch.optim.AdamW, FusedAdamW))
+        if self._tracked_state:
             tracked_state.track(self.optim)
         if isinstance(self.optim, FusedAdamW):
             # step() reads the carried clip factors of the same grads and passes them in
@@ -645,13 +650,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         (tracked_state: after a load replaced it), the host state packed (after it was made,
         loaded or changed), the host pieces' grads and params copied to the host."""
         host = self._offload
-        gen = tracked_state.track(self.optim)
-        if gen.value != host.packed_generation:  # (a change: pack what is not packed)
+        gen = tracked_state.track(self.optim) if self._tracked_state else None
+        if gen is not None and gen.value != host.packed_generation:  # (a change: pack it)
             host.state_unpacked = True
         if host.state_unpacked and host.pack_state(self.optim.state) \
                 and self._stepper is not None:
             self._stepper.reset()
-        host.packed_generation = gen.value
+        if gen is not None:
+            host.packed_generation = gen.value
         host.pull(self._early_valid)
 
     def _local_step_runs_closure(self, grad_scale, kwargs) -> bool:

@@ -201,10 +201,27 @@ inline PlanSegment make_segment(int64_t i, int64_t group, const at::Tensor& p, c
   return s;
 }
 
-// The CPU kernel over a plan's records (fused_adamw_cpu.cpp), checked when the plan was
-// built: this step's grad of record r at grad_ptrs[r.index], its step at steps[r.index]; no
-// per-tensor checks or views per step (thousands of small tensors cost them each step).
-void fused_adamw_cpu_plan(const std::vector<PlanSegment>& records, const void* const* grad_ptrs,
+// Consecutive records of a plan, records[first, first + count), that continue each other in
+// every tensor's memory, the grad's included (one grad source at consecutive offsets, so it
+// holds at every step), with one group and one dtype mix: `merged` is them as one record (the
+// first's pointers and index, the summed numel). A CPU step takes it whole when the steps of
+// segments index_lo..index_hi are equal (they are, unless some segments skipped steps), so
+// that a share laid out in flat buffers (offload_optimizer's host part) costs a few records
+// per step whatever its number of tensors.
+struct PlanRun {
+  PlanSegment merged;
+  int32_t first;
+  int32_t count;
+  int32_t index_lo;
+  int32_t index_hi;
+};
+
+// The CPU kernel over a plan's runs of records (fused_adamw_cpu.cpp), checked when the plan
+// was built: this step's grad of record r at grad_ptrs[r.index], its step at
+// steps[r.index]; no per-tensor checks or views per step (thousands of small tensors cost
+// them each step).
+void fused_adamw_cpu_plan(const std::vector<PlanSegment>& records,
+                          const std::vector<PlanRun>& runs, const void* const* grad_ptrs,
                           const at::Tensor& steps, const at::Tensor& group_hparams,
                           const std::optional<at::Tensor>& grad_scale,
                           const std::optional<at::Tensor>& found_inf);

@@ -657,7 +657,8 @@ void fused_adamw_cpu(const TensorListRef& params, const TensorListRef& grads,
   run_segments(segs, fns, offsets);
 }
 
-void fused_adamw_cpu_plan(const std::vector<PlanSegment>& records, const void* const* grad_ptrs,
+void fused_adamw_cpu_plan(const std::vector<PlanSegment>& records,
+                          const std::vector<PlanRun>& runs, const void* const* grad_ptrs,
                           const at::Tensor& steps, const at::Tensor& group_hparams,
                           const std::optional<at::Tensor>& grad_scale,
                           const std::optional<at::Tensor>& found_inf) {
@@ -670,19 +671,19 @@ void fused_adamw_cpu_plan(const std::vector<PlanSegment>& records, const void* c
   const at::Tensor hp_c = group_hparams.contiguous();
   const float* step_ptr = steps_c.data_ptr<float>();
   const double* hp = hp_c.data_ptr<double>();
-  // Per segment: a few loads and stores; the scalars once per (group, step) run.
+  // Per run: its steps compared (contiguous floats) and one record; per record only where a
+  // run's segments have different steps. The scalars once per (group, step) run.
   std::vector<Segment> segs;
   std::vector<KernelFn> fns;
   std::vector<int64_t> offsets;
-  segs.reserve(records.size());
-  fns.reserve(records.size());
-  offsets.reserve(records.size() + 1);
+  segs.reserve(runs.size());
+  fns.reserve(runs.size());
+  offsets.reserve(runs.size() + 1);
   offsets.push_back(0);
   Scalars last_sc{};
   int64_t last_group = -1;
   float last_step = 0.0f;
-  for (size_t k = 0; k < records.size(); ++k) {
-    const PlanSegment& r = records[k];
+  auto add = [&](const PlanSegment& r, int64_t numel) {
     Segment sg;
     sg.p = r.p;
     sg.g = grad_ptrs[r.index];
@@ -690,7 +691,7 @@ void fused_adamw_cpu_plan(const std::vector<PlanSegment>& records, const void* c
     sg.v = r.v;
     sg.vmax = r.vmax;
     sg.w = r.w;
-    sg.numel = r.numel;
+    sg.numel = numel;
     sg.pkind = r.flags & 3;
     sg.skind = (r.flags >> 2) & 3;
     const float step = step_ptr[r.index];
@@ -702,6 +703,22 @@ void fused_adamw_cpu_plan(const std::vector<PlanSegment>& records, const void* c
     sg.sc = last_sc;
     add_segment(segs, fns, offsets, sg,
                 pick_kernel(sg.pkind, sg.skind, (r.flags & kAms) != 0, (r.flags & kMaster) != 0));
+  };
+  for (const PlanRun& run : runs) {
+    bool whole = true;
+    if (run.count > 1) {
+      const float s0 = step_ptr[run.index_lo];
+      for (int64_t i = int64_t(run.index_lo) + 1; i <= int64_t(run.index_hi); ++i) {
+        whole &= step_ptr[i] == s0;
+      }
+    }
+    if (whole) {
+      add(run.merged, run.merged.numel);
+      continue;
+    }
+    for (int64_t k = run.first; k < int64_t(run.first) + run.count; ++k) {
+      add(records[k], records[k].numel);
+    }
   }
   run_segments(segs, fns, offsets);
 }

@@ -11,21 +11,28 @@
 //   source in `no_grad_sources` still none) of the dtype, device and numel seen at build,
 //   contiguous, not sparse, aligned as at build where the kernel's vector accesses need it,
 //   and every param / state tensor still has the storage (data pointer) seen at build, every
-//   param its numel; also records each segment's grad pointer. False: nothing was
-//   changed, and the caller rebuilds (or takes the op path, whose checks report any bad input).
+//   param its numel (but the params the caller declared fixed: `fixed_params`, memory it
+//   owns and never moves, as offload_optimizer's host keys); also records each segment's
+//   grad pointer. False: nothing was changed, and the caller rebuilds (or takes the op
+//   path, whose checks report any bad input). Big plans check on the intra-op threads.
 // - run(steps, group_hparams, grad_scale, found_inf): the step, after a ready() that returned
 //   True; the hyperparameters and the steps are read fresh. CUDA: the static table (pointers,
 //   numels, chunks) lives on the device since the build; a step copies the per-step table and
-//   launches once (fused_adamw.cu). CPU: the CPU kernel runs on the kept lists.
+//   launches once (fused_adamw.cu). CPU: the CPU kernel runs on the kept records, each run
+//   of records that continue each other in every tensor's memory (the grad's too: one
+//   source at consecutive offsets) as one segment while the run's steps are equal
+//   (PlanRun): a share packed in flat buffers costs a few records per step.
 // The constructor checks every segment as the op does (same messages): it raises for what
 // the op would reject.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "fused_adamw_common.h"
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -36,6 +43,9 @@ namespace adamw {
 namespace {
 
 using Tensors = std::vector<at::Tensor>;
+// ready()'s checks: segments per task of its parallel loop (a plan of at most this many
+// segments checks on the calling thread)
+constexpr int64_t kCheckGrain = 4096;
 
 c10::List<at::Tensor> to_list(const Tensors& ts) {
   c10::List<at::Tensor> out;
@@ -54,7 +64,8 @@ class AdamWPlan : public torch::CustomClassHolder {
  public:
   AdamWPlan(Tensors params, Tensors exp_avgs, Tensors exp_avg_sqs, Tensors max_exp_avg_sqs,
             Tensors masters, Tensors sources, at::Tensor seg_source, at::Tensor seg_grad_offset,
-            Tensors no_grad_sources, at::Tensor segment_groups, at::Tensor group_hparams)
+            Tensors no_grad_sources, at::Tensor segment_groups, at::Tensor group_hparams,
+            std::optional<at::Tensor> fixed_params)
       : params_(to_list(params)),
         exp_avgs_(to_list(exp_avgs)),
         exp_avg_sqs_(to_list(exp_avg_sqs)),
@@ -79,6 +90,14 @@ class AdamWPlan : public torch::CustomClassHolder {
     TORCH_CHECK(group_hparams.scalar_type() == at::kDouble && group_hparams.dim() == 2 &&
                     group_hparams.size(1) == kCols && group_hparams.device().is_cpu(),
                 "AdamWPlan: group_hparams must be a float64 CPU tensor of shape [G, 7]");
+    fixed_.assign(S, 0);
+    if (fixed_params.has_value()) {
+      TORCH_CHECK(fixed_params->scalar_type() == at::kBool && fixed_params->dim() == 1 &&
+                      fixed_params->numel() == S && fixed_params->device().is_cpu(),
+                  "AdamWPlan: fixed_params must be a bool CPU tensor of shape [", S, "]");
+      const at::Tensor f = fixed_params->contiguous();
+      for (int64_t i = 0; i < S; ++i) fixed_[i] = f.data_ptr<bool>()[i] ? 1 : 0;
+    }
     groups_ = segment_groups.contiguous();
     const at::Tensor src_c = seg_source.contiguous(), off_c = seg_grad_offset.contiguous();
     const at::Tensor hp = group_hparams.contiguous();
@@ -106,6 +125,7 @@ class AdamWPlan : public torch::CustomClassHolder {
     whole_.resize(S);
     check_vec_.resize(S);
     impls_.resize(S);
+    grad_align_.assign(S, 1);
     grad_ptrs_.assign(S, nullptr);
     for (int64_t i = 0; i < S; ++i) {
       const int64_t gi = group[i], j = src[i];
@@ -140,9 +160,10 @@ class AdamWPlan : public torch::CustomClassHolder {
       grad_ptrs_[i] = g.const_data_ptr();
       PlanSegment s = make_segment(i, gi, p, grad_ptrs_[i], m, v, vmax, master);
       segs_.push_back(s);
-      grad_align_.push_back((s.flags & kAligned) ? kVec * p.element_size() : 1);
+      grad_align_[i] = (s.flags & kAligned) ? kVec * p.element_size() : 1;
     }
     S_ = S;
+    if (device_.is_cpu()) build_runs();
     if (device_.is_cuda() && !segs_.empty()) {
       table_ = cuda_plan_ops()->upload(segs_, device_, /*sync=*/true, &n_chunks_);
     }
@@ -168,25 +189,34 @@ class AdamWPlan : public torch::CustomClassHolder {
       src_base_[j] = static_cast<const char*>(g.const_data_ptr());
       if (hold) held_.push_back(g);
     }
-    size_t k = 0;  // the non-empty segments, in order
-    for (int64_t i = 0; i < S_; ++i) {
-      const SegPtrs& want = check_vec_[i];
-      const auto& t = impls_[i];
-      // (each tensor's data pointer as const_data_ptr() gives it, read from its storage
-      // without that call's checks and reference counting: thousands of tensors a step)
-      if (where(t[0]) != want.p || t[0]->numel() != want.numel || where(t[1]) != want.m ||
-          where(t[2]) != want.v) {
-        return false;
+    // Every tensor's storage, in parallel over the segments for big plans: these loads
+    // miss the caches (a step streams far more memory than the caches hold), so they cost
+    // about 15 ns per tensor on one core, as long as the step of a 1024-element segment.
+    std::atomic<bool> moved{false};
+    at::parallel_for(0, S_, kCheckGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const SegPtrs& want = check_vec_[i];
+        const auto& t = impls_[i];
+        // (each tensor's data pointer as const_data_ptr() gives it, read from its storage
+        // without that call's checks and reference counting: thousands of tensors a step;
+        // a fixed param, offload_optimizer's host key, is its caller's own and never moves)
+        if ((!fixed_[i] && (where(t[0]) != want.p || t[0]->numel() != want.numel)) ||
+            where(t[1]) != want.m || where(t[2]) != want.v ||
+            (want.vmax != nullptr && where(t[3]) != want.vmax) ||
+            (want.w != nullptr && where(t[4]) != want.w)) {
+          moved.store(true, std::memory_order_relaxed);
+          return;
+        }
+        const char* g = src_base_[seg_src_[i]] + seg_off_bytes_[i];
+        // built for vector accesses where aligned (empty segments: alignment 1)
+        if (!aligned_to(g, grad_align_[i])) {
+          moved.store(true, std::memory_order_relaxed);
+          return;
+        }
+        grad_ptrs_[i] = g;
       }
-      if (want.vmax != nullptr && where(t[3]) != want.vmax) return false;
-      if (want.w != nullptr && where(t[4]) != want.w) return false;
-      const char* g = src_base_[seg_src_[i]] + seg_off_bytes_[i];
-      if (want.numel > 0) {
-        if (!aligned_to(g, grad_align_[k])) return false;  // built for vector accesses
-        ++k;
-      }
-      grad_ptrs_[i] = g;
-    }
+    });
+    if (moved.load()) return false;
     ready_ = true;
     return true;
   }
@@ -210,7 +240,7 @@ class AdamWPlan : public torch::CustomClassHolder {
     if (device_.is_cpu()) {
       // The CPU kernel on the records checked at the build and the grads ready() found
       // (their dtype, numel, contiguity and every state tensor's storage as at the build).
-      fused_adamw_cpu_plan(segs_, grad_ptrs_.data(), steps, hp, grad_scale, found_inf);
+      fused_adamw_cpu_plan(segs_, runs_, grad_ptrs_.data(), steps, hp, grad_scale, found_inf);
       return;
     }
     for (const std::optional<at::Tensor>* t : {&grad_scale, &found_inf}) {
@@ -227,6 +257,8 @@ class AdamWPlan : public torch::CustomClassHolder {
   }
 
   int64_t num_segments() const { return S_; }
+  // CPU: the records a step starts from when every run's steps are equal (PlanRun)
+  int64_t num_runs() const { return static_cast<int64_t>(runs_.size()); }
 
  private:
   struct SegPtrs {
@@ -251,16 +283,55 @@ class AdamWPlan : public torch::CustomClassHolder {
   std::vector<SegPtrs> check_vec_;
   std::vector<std::array<const c10::TensorImpl*, 5>> impls_;  // p, m, v, vmax, master
 
+  // The CPU step's runs (PlanRun): consecutive records that continue each other in the
+  // memory of every tensor, the grad's included (the same source at consecutive offsets:
+  // where the grads come from one flat buffer, as offload_optimizer's host part has them).
+  void build_runs() {
+    runs_.clear();
+    for (size_t k = 0; k < segs_.size(); ++k) {
+      const PlanSegment& b = segs_[k];
+      if (!runs_.empty() && continues(segs_[runs_.back().first + runs_.back().count - 1], b)) {
+        PlanRun& r = runs_.back();
+        r.merged.numel += b.numel;
+        ++r.count;
+        r.index_hi = b.index;
+        continue;
+      }
+      PlanRun r;
+      r.merged = b;
+      r.first = static_cast<int32_t>(k);
+      r.count = 1;
+      r.index_lo = r.index_hi = b.index;
+      runs_.push_back(r);
+    }
+  }
+
+  bool continues(const PlanSegment& a, const PlanSegment& b) const {
+    if (a.group != b.group || (a.flags & ~kAligned) != (b.flags & ~kAligned)) return false;
+    if (seg_src_[a.index] != seg_src_[b.index]) return false;
+    const int64_t ps = (a.flags & 3) == kF32 ? 4 : 2, ss = ((a.flags >> 2) & 3) == kF32 ? 4 : 2;
+    auto follows = [&](const void* x, int64_t size, const void* y) {
+      return static_cast<const char*>(x) + a.numel * size == static_cast<const char*>(y);
+    };
+    const bool vmax = a.vmax == nullptr ? b.vmax == nullptr
+                                        : b.vmax != nullptr && follows(a.vmax, ss, b.vmax);
+    const bool w = a.w == nullptr ? b.w == nullptr : b.w != nullptr && follows(a.w, 4, b.w);
+    return seg_off_bytes_[a.index] + a.numel * ps == seg_off_bytes_[b.index] &&
+           follows(a.p, ps, b.p) && follows(a.m, ss, b.m) && follows(a.v, ss, b.v) && vmax && w;
+  }
+
   static const void* where(const c10::TensorImpl* t) {
     const c10::Storage& st = t->unsafe_storage();
     if (!st) return nullptr;
     return static_cast<const char*>(st.data()) + t->storage_offset() * t->itemsize();
   }
-  std::vector<int64_t> grad_align_;  // per non-empty segment: the grad's required alignment
+  std::vector<int64_t> grad_align_;  // per segment: the grad's required alignment
+  std::vector<uint8_t> fixed_;       // per segment: the param's storage is not checked
   std::vector<const char*> src_base_;
   std::vector<const void*> grad_ptrs_;  // per segment, as of the last ready()
   std::vector<at::Tensor> held_;        // the grads, from ready(hold=true) to run()
   std::vector<PlanSegment> segs_;       // the non-empty segments
+  std::vector<PlanRun> runs_;           // CPU: segs_ as runs (build_runs)
   at::Tensor table_;                    // CUDA: the static table on the device
   int64_t n_chunks_ = 0;
   bool ready_ = false;
@@ -276,10 +347,17 @@ void define_plan_class(torch::Library& m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, at::Tensor,
-                       std::vector<at::Tensor>, at::Tensor, at::Tensor>())
+                       std::vector<at::Tensor>, at::Tensor, at::Tensor,
+                       std::optional<at::Tensor>>(),
+           "", {torch::arg("params"), torch::arg("exp_avgs"), torch::arg("exp_avg_sqs"),
+                torch::arg("max_exp_avg_sqs"), torch::arg("masters"), torch::arg("sources"),
+                torch::arg("seg_source"), torch::arg("seg_grad_offset"),
+                torch::arg("no_grad_sources"), torch::arg("segment_groups"),
+                torch::arg("group_hparams"), torch::arg("fixed_params") = c10::IValue()})
       .def("ready", &zero_ext::adamw::AdamWPlan::ready)
       .def("run", &zero_ext::adamw::AdamWPlan::run)
-      .def("num_segments", &zero_ext::adamw::AdamWPlan::num_segments);
+      .def("num_segments", &zero_ext::adamw::AdamWPlan::num_segments)
+      .def("num_runs", &zero_ext::adamw::AdamWPlan::num_runs);
 }
 
 // A fragment of the namespace (its op schemas are defined in Python, zero_ext/kernels/_ops.py),

@@ -38,13 +38,16 @@ import torch
 from torch import Tensor
 
 from .kernels.adamw import fused_adamw_, make_plan
+from .tracked_state import generation_of
 
 
 @dataclass(frozen=True)
 class Segment:
     """Elements [offset, offset+length) of `key` (flattened): the local optimizer's param,
     whose state they update. Their grad is elements [grad_offset, grad_offset+length) of
-    ``sources[source].grad``."""
+    ``sources[source].grad``. `fixed`: the caller owns the key's memory and never moves it
+    while the layout holds (offload_optimizer's host keys): the compiled plan does not
+    check its storage at each step (its state tensors' it does)."""
 
     key: Tensor
     offset: int
@@ -52,6 +55,7 @@ class Segment:
     group: int
     source: int
     grad_offset: int
+    fixed: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,9 +180,14 @@ class _StateSnapshot:
     only: values written in place need nothing, the lists view them): every key still maps
     to the same dict, in the same order, and every stepped dict still holds the same
     tensors in `_STEPPED` (a user resetting a moment with ``st["exp_avg"] = torch.zeros_like
-    (...)``, a replaced dict or step means a rebuild)."""
+    (...)``, a replaced dict or step means a rebuild).
 
-    __slots__ = ("keys", "dicts", "entries")
+    A tracked state (tracked_state.py: offload_optimizer's local optimizer) counts its own
+    changes: while its generation has not moved since the last check that passed, nothing
+    was replaced, and the check costs nothing per tensor (about 50 ns per tensor otherwise:
+    a step's worth of 20000 small tensors)."""
+
+    __slots__ = ("keys", "dicts", "entries", "generation", "seen")
 
     def __init__(self, state: Dict[Tensor, Dict[str, Any]], stepping: Dict[int, dict]):
         self.keys = list(state.keys())
@@ -189,17 +198,27 @@ class _StateSnapshot:
             if dicts:
                 self.entries.append((operator.itemgetter(name), dicts,
                                      [st[name] for st in dicts]))
+        # (None where some change would go uncounted: a plain state, a plain dict in it)
+        self.generation = generation_of(state)
+        self.seen = None if self.generation is None else self.generation.value
 
     def same(self, state: Dict[Tensor, Dict[str, Any]]) -> bool:
+        gen = self.generation
+        if gen is not None and gen.value == self.seen \
+                and getattr(state, "generation", None) is gen:
+            return True
         is_ = operator.is_
         if len(state) != len(self.dicts) or not all(map(is_, state.values(), self.dicts)) \
                 or not all(map(is_, state.keys(), self.keys)):
             return False
         try:
-            return all(all(map(is_, map(get, dicts), tensors))
-                       for get, dicts, tensors in self.entries)
+            ok = all(all(map(is_, map(get, dicts), tensors))
+                     for get, dicts, tensors in self.entries)
         except KeyError:  # an entry removed
             return False
+        if ok and gen is not None:  # (the same dicts, so all still tracked)
+            self.seen = gen.value
+        return ok
 
 
 class _StepPack:
@@ -220,7 +239,7 @@ class _Call:
 
     __slots__ = ("device", "params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
                  "segment_groups", "grads", "pack", "step_index", "complex_params", "masters",
-                 "native")
+                 "native", "fixed")
 
 
 class _Plan:
@@ -429,7 +448,7 @@ class AdamWEngine:
                 c.params, c.exp_avgs, c.exp_avg_sqs, c.max_exp_avg_sqs, c.masters,
                 [sources[j] for j in srcs], [local[g[0]] for g in c.grads],
                 [g[1] for g in c.grads], no_grad, c.segment_groups, table,
-                hold=len(calls) > 1)
+                hold=len(calls) > 1, fixed_params=c.fixed if any(c.fixed) else None)
             if c.native is None:
                 break
             no_grad = []
@@ -499,6 +518,7 @@ class AdamWEngine:
             torch.empty(0, dtype=torch.float32, device=dev) if w is None else w
             for w in masters]
         c.segment_groups = torch.tensor([s.group for s in segs], dtype=torch.int64)
+        c.fixed = [s.fixed for s in segs]
         # steps of this call: one pack, in order (no copy), or an index into one pack.
         locs = [self._locate(packs, stepping[id(s.key)]["step"]) for s in segs]
         pk0 = locs[0][0]

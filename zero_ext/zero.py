@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from . import amp, grad_norm
 from . import groups as groups_mod
-from . import hybrid, kernels, launcher, layout, offload, state
+from . import hybrid, kernels, launcher, layout, offload, state, tracked_state
 from .agree import agree, agree_on_inputs, call_and_agree, rendezvous
 from .fused_adamw import FusedAdamW, fused_path_supported, keep_step_eager
 from .local_step import FusedShardStep
@@ -260,6 +260,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if master_weights and issubclass(optimizer_class, FusedAdamW):
             local_kwargs["master_weights"] = True  # its own engine steps the masters
         self.optim = optimizer_class(self._local_groups(), **local_kwargs)
+        # offload_optimizer with the fused AdamW: the local state counts its changes (the
+        # fused step's O(1) check; torch's own steps of other classes write their state at
+        # every step, where counting would only cost)
+        self._tracked_state = self._offload is not None and issubclass(
+            optimizer_class, (torch.optim.Adam, torch.optim.AdamW, FusedAdamW))
+        if self._tracked_state:
+            tracked_state.track(self.optim)
         if isinstance(self.optim, FusedAdamW):
             # step() reads the carried clip factors of the same grads and passes them in
             # its grad_scale: read twice, they would clip twice
@@ -391,7 +398,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._stepper is None:
             self._stepper = FusedShardStep(
                 self.plan, self.optim, self.master_weights,
-                None if self._offload is None else self._offload.alloc_state)
+                None if self._offload is None else self._offload.alloc_state, self._offload)
         return self._stepper
 
     def _chunks_per_step(self, plan: layout.ShardPlan) -> int:
@@ -639,12 +646,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._offload.invalidate_views()
 
     def _host_pull(self) -> None:
-        """offload_optimizer, before the local step: the host state packed (after it was
-        made or loaded), the host pieces' grads and params copied to the host."""
+        """offload_optimizer, before the local step: the local optimizer's state tracked
+        (tracked_state: after a load replaced it), the host state packed (after it was made,
+        loaded or changed), the host pieces' grads and params copied to the host."""
         host = self._offload
+        gen = tracked_state.track(self.optim) if self._tracked_state else None
+        if gen is not None and gen.value != host.packed_generation:  # (a change: pack it)
+            host.state_unpacked = True
         if host.state_unpacked and host.pack_state(self.optim.state) \
                 and self._stepper is not None:
             self._stepper.reset()
+        if gen is not None:
+            host.packed_generation = gen.value
         host.pull(self._early_valid)
 
     def _local_step_runs_closure(self, grad_scale, kwargs) -> bool:

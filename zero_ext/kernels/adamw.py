@@ -406,8 +406,9 @@ class FusedAdamWPlan:
 
     - :meth:`ready`: whether a step may run on the lists as built: every source has a grad
       (every ``no_grad_sources`` entry still none) of the dtype, numel and device seen at
-      build, contiguous, aligned as at build; every param and state tensor has the storage
-      it had (``p.data = t``, a moment's ``.data`` replaced: False), every param its numel.
+      build, contiguous, aligned as at build; every param (but those made with
+      ``fixed_params``) and state tensor has the storage it had (``p.data = t``, a moment's
+      ``.data`` replaced: False), every param its numel.
       It also takes this step's grad pointers. False changes nothing: the caller rebuilds
       its lists.
     - :meth:`run`: the step, right after a :meth:`ready` that returned True, with this
@@ -434,6 +435,13 @@ class FusedAdamWPlan:
             found_inf: Optional[Tensor] = None) -> None:
         self._native.run(steps, group_hparams, grad_scale, found_inf)
 
+    @property
+    def num_runs(self) -> int:
+        """CPU: the runs of segments contiguous in every tensor's memory (the grads'
+        included) that a step takes as one segment each when their steps are equal; the
+        segments themselves where 0 (CUDA: one table entry per segment)."""
+        return int(self._native.num_runs())
+
     def __reduce__(self):
         raise TypeError("FusedAdamWPlan holds pointers into its tensors; it cannot be copied "
                         "or pickled (build a new one with make_plan)")
@@ -455,7 +463,8 @@ def make_plan(params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
               masters: Sequence[Tensor], sources: Sequence[Tensor],
               seg_source: Sequence[int], seg_grad_offset: Sequence[int],
               no_grad_sources: Sequence[Tensor], segment_groups: Tensor,
-              group_hparams: Tensor, hold: bool = False) -> Optional[FusedAdamWPlan]:
+              group_hparams: Tensor, hold: bool = False,
+              fixed_params: Optional[Sequence[bool]] = None) -> Optional[FusedAdamWPlan]:
     """A :class:`FusedAdamWPlan` for these lists, or None where :func:`fused_adamw_` must
     serve them instead: no compiled plan for the device (CPU-only build, references), a
     segment the kernels do not take as it is (non-contiguous, float64, complex: staged or
@@ -465,7 +474,11 @@ def make_plan(params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
     Segment ``i`` is ``params[i]`` (with its state entries as in :func:`fused_adamw_`) and
     its grad is elements ``[seg_grad_offset[i], + numel)`` of ``sources[seg_source[i]].grad``
     flattened. Not ready when built is None too (``hold``: as in :meth:`FusedAdamWPlan.ready`,
-    for the run that follows)."""
+    for the run that follows).
+
+    ``fixed_params[i]`` True: the caller owns param ``i``'s memory and never moves it while
+    the plan lives (offload_optimizer's host keys), so :meth:`FusedAdamWPlan.ready` does not
+    check its storage (its state tensors' it does)."""
     ensure_loaded()
     if not params:
         return None
@@ -478,7 +491,9 @@ def make_plan(params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                      list(masters), list(sources),
                      torch.tensor(list(seg_source), dtype=torch.int64),
                      torch.tensor(list(seg_grad_offset), dtype=torch.int64),
-                     list(no_grad_sources), segment_groups, group_hparams)
+                     list(no_grad_sources), segment_groups, group_hparams,
+                     torch.tensor(list(fixed_params), dtype=torch.bool)
+                     if fixed_params is not None else None)
     except RuntimeError:
         return None
     plan = FusedAdamWPlan(native, len(params), device)

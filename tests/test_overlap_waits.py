@@ -601,3 +601,71 @@ def _threads(rank, world, cfg):
 @pytest.mark.parametrize("form", ["auto", "nccl"])
 def test_forwards_on_two_threads_after_the_step(form):
     run_world(_threads, 2, dict(form=form))
+
+
+class _ReadOtherwise(torch.nn.Module):
+    """A head whose forward never runs, its weight read before any module's forward through
+    a reference made at construction that is no attribute read: a functools.partial, a
+    namespace, a list four deep, a plain tensor over its memory."""
+
+    def __init__(self, how):
+        import functools
+        import types
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 16, bias=False)
+        w = self.head.weight
+        if how == "partial":
+            self.proj = functools.partial(torch.nn.functional.linear, weight=w)
+        elif how == "namespace":
+            self.ns = types.SimpleNamespace(w=w)
+        else:
+            self.deep = [[[[w]]]]
+
+    def forward(self, x):
+        if self.how == "partial":
+            h = self.proj(x)
+        else:
+            w = self.ns.w if self.how == "namespace" else self.deep[0][0][0][0]
+            h = torch.nn.functional.linear(x, w)
+        return self.b(torch.tanh(self.a(h)))
+
+
+def _read_otherwise(rank, world, cfg):
+    import torch.distributed as dist
+
+    from zero_ext import ZeroRedundancyOptimizer, param_gather
+
+    param_gather.FORM = cfg["form"]
+    param_gather.WORKER_DELAY_S = 0.05
+    ref, model = _ReadOtherwise(cfg["how"]), _ReadOtherwise(cfg["how"])
+    o_ref = torch.optim.AdamW(ref.parameters(), **HP)
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, sharding="param",
+                                  overlap_param_gather=True, **HP)
+    for it in range(5):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(it))
+        for m, o in ((ref, o_ref), (model, opt)):
+            m(x).square().mean().backward()
+            for p in m.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():  # right after the step, the exchange in flight
+            xx = torch.randn(4, 16, generator=torch.Generator().manual_seed(99 + it))
+            torch.testing.assert_close(model(xx), ref(xx), **TOL,
+                                       msg=lambda m, it=it: f"forward after step {it}: {m}")
+    opt.wait_for_params()
+    return True
+
+
+@pytest.mark.parametrize("form", ["auto", "nccl"])
+@pytest.mark.parametrize("how", ["partial", "namespace", "deep-list"])
+def test_a_param_no_forward_reads_through_its_module(how, form):
+    """Params no module's forward read when the order was recorded travel first, and the
+    first forward after the step waits for them."""
+    run_world(_read_otherwise, 2, dict(how=how, form=form))

@@ -34,8 +34,9 @@ the next forward instead of adding to the step.
   of a value there waits for that module's collectives first (a parent's read of a child's
   weight, state_dict, load_state_dict, parameters(), Module._apply's casts, pickling,
   deepcopy, DDP's constructor and its final sync after a Join); the module gets its own
-  dict back then, and nothing of zero_ext's stays on it. Params no module was found holding
-  travel first, and the first forward after the step waits for them. Every method of the
+  dict back then, and nothing of zero_ext's stays on it. Params no module was found holding,
+  or no module's forward read when the order was recorded, travel first, and the first
+  forward after the step waits for them. Every method of the
   optimizer that reads or writes params or state waits first (step, clip_grad_norm_,
   state_dict, load_state_dict, consolidate_state_dict, add_param_group,
   checkpoint.save/load, Join), as do the DDP comm hooks before their first collective.
@@ -593,8 +594,9 @@ class _WaitPlan:
     found by identity, and for a param the optimizer does not hold, by memory: one that
     overlaps a param in flight waits for that param's items. A module whose params reach
     the last param of the recorded order waits for the whole exchange, so that no
-    exchange outlives its forward. Params no module was found holding (`loose`) are waited
-    for by the first forward after the step, whichever module it is."""
+    exchange outlives its forward. Params no module was found holding, or no module's
+    forward read when the order was recorded (`loose`), are waited for by the first forward
+    after the step, whichever module it is."""
 
     def __init__(self, key: tuple, gather: "ParamGather", params: list, params_of_items: list,
                  alias_of: dict):
@@ -619,9 +621,14 @@ class _WaitPlan:
         self.held = self.holds(modules)
         reached = {id(p) for m in modules for p in itertools.chain(
             _plain(m).values(), self._kept_of.get(m, ()))}
+        # Loose: params no module found holds, and params no module's forward read in the
+        # recorded forward (a head read through a functools.partial or a namespace made at
+        # construction, before any module runs): they travel first, and the first forward
+        # after the step waits for them.
+        unread = gather.unrecorded
         self.loose_end = max((k for k, pids in enumerate(params_of_items)
-                              if any(id(params[pid]) not in reached for pid in pids)),
-                             default=-1)
+                              if any(pid in unread or id(params[pid]) not in reached
+                                     for pid in pids)), default=-1)
         if gather.opaque:  # (compiled code: the first forward waits for everything)
             self.loose_end = self.size - 1
 
@@ -690,6 +697,7 @@ class ParamGather:
         self.queue: LaneQueue | None = None
         self.threaded = False         # the worker thread drives `queue` (gloo)
         self.positions: dict[int, int] | None = None  # param index -> first use (agreed)
+        self.unrecorded: frozenset = frozenset()  # params no module's forward read then
         self.recorded: list | None = None  # param indices in first-use order, while recording
         self._seen: set = set()
         self._pid_of: dict = {}       # (recording) id(param) -> the param carrying it
@@ -734,6 +742,7 @@ class ParamGather:
         """(add_param_group, on every rank) The next step exchanges as without the option
         and the forward after it records the order again, the new params included."""
         self.positions, self.recorded, self.waits = None, None, None
+        self.unrecorded = frozenset()
         if self.queue is None:  # (a recording under way stops too)
             _deactivate(self)
 
@@ -770,6 +779,7 @@ class ParamGather:
         seen = set(recorded)
         first = [pid for pid in range(len(zero.hook_seam.params))
                  if pid not in seen and pid not in alias_of]
+        self.unrecorded = frozenset(first)
         self.positions = {pid: k for k, pid in enumerate(first + recorded)}
         for pid, tied in alias_of.items():
             if tied in self.positions:

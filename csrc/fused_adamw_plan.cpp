@@ -12,7 +12,10 @@
 //   contiguous, not sparse, aligned as at build where the kernel's vector accesses need it,
 //   and every param / state tensor still has the storage (data pointer) seen at build, every
 //   param its numel (but the params the caller declared fixed: `fixed_params`, memory it
-//   owns and never moves, as offload_optimizer's host keys); also records each segment's
+//   owns and never moves, as offload_optimizer's host keys), and every step count given at
+//   build (`steps`: the 0-d tensors whose values the caller passes to run(), e.g. the AdamW
+//   engine's views into its step pack) still has the storage seen at build (`step.data = t`
+//   or `step.set_(t)` cut a count off the memory run() reads); also records each segment's
 //   grad pointer. False: nothing was changed, and the caller rebuilds (or takes the op
 //   path, whose checks report any bad input). Big plans check on the intra-op threads.
 // - run(steps, group_hparams, grad_scale, found_inf): the step, after a ready() that returned
@@ -65,7 +68,7 @@ class AdamWPlan : public torch::CustomClassHolder {
   AdamWPlan(Tensors params, Tensors exp_avgs, Tensors exp_avg_sqs, Tensors max_exp_avg_sqs,
             Tensors masters, Tensors sources, at::Tensor seg_source, at::Tensor seg_grad_offset,
             Tensors no_grad_sources, at::Tensor segment_groups, at::Tensor group_hparams,
-            std::optional<at::Tensor> fixed_params)
+            std::optional<at::Tensor> fixed_params, std::optional<Tensors> steps)
       : params_(to_list(params)),
         exp_avgs_(to_list(exp_avgs)),
         exp_avg_sqs_(to_list(exp_avg_sqs)),
@@ -97,6 +100,19 @@ class AdamWPlan : public torch::CustomClassHolder {
                   "AdamWPlan: fixed_params must be a bool CPU tensor of shape [", S, "]");
       const at::Tensor f = fixed_params->contiguous();
       for (int64_t i = 0; i < S; ++i) fixed_[i] = f.data_ptr<bool>()[i] ? 1 : 0;
+    }
+    if (steps.has_value()) {
+      TORCH_CHECK(static_cast<int64_t>(steps->size()) == S,
+                  "AdamWPlan: steps must have one tensor per segment (", S, "), got ",
+                  steps->size());
+      steps_ = std::move(*steps);
+      step_impls_.resize(S);
+      step_want_.resize(S);
+      for (int64_t i = 0; i < S; ++i) {
+        TORCH_CHECK(steps_[i].defined(), "AdamWPlan: steps[", i, "] is undefined");
+        step_impls_[i] = steps_[i].unsafeGetTensorImpl();
+        step_want_[i] = where(step_impls_[i]);
+      }
     }
     groups_ = segment_groups.contiguous();
     const at::Tensor src_c = seg_source.contiguous(), off_c = seg_grad_offset.contiguous();
@@ -203,7 +219,8 @@ class AdamWPlan : public torch::CustomClassHolder {
         if ((!fixed_[i] && (where(t[0]) != want.p || t[0]->numel() != want.numel)) ||
             where(t[1]) != want.m || where(t[2]) != want.v ||
             (want.vmax != nullptr && where(t[3]) != want.vmax) ||
-            (want.w != nullptr && where(t[4]) != want.w)) {
+            (want.w != nullptr && where(t[4]) != want.w) ||
+            (!step_impls_.empty() && where(step_impls_[i]) != step_want_[i])) {
           moved.store(true, std::memory_order_relaxed);
           return;
         }
@@ -282,6 +299,11 @@ class AdamWPlan : public torch::CustomClassHolder {
   std::vector<bool> whole_;
   std::vector<SegPtrs> check_vec_;
   std::vector<std::array<const c10::TensorImpl*, 5>> impls_;  // p, m, v, vmax, master
+  // the step counts given at build (held) and where each one's memory was then: empty
+  // when none were given
+  Tensors steps_;
+  std::vector<const c10::TensorImpl*> step_impls_;
+  std::vector<const void*> step_want_;
 
   // The CPU step's runs (PlanRun): consecutive records that continue each other in the
   // memory of every tensor, the grad's included (the same source at consecutive offsets:
@@ -348,12 +370,13 @@ void define_plan_class(torch::Library& m) {
                        std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, at::Tensor,
                        std::vector<at::Tensor>, at::Tensor, at::Tensor,
-                       std::optional<at::Tensor>>(),
+                       std::optional<at::Tensor>, std::optional<std::vector<at::Tensor>>>(),
            "", {torch::arg("params"), torch::arg("exp_avgs"), torch::arg("exp_avg_sqs"),
                 torch::arg("max_exp_avg_sqs"), torch::arg("masters"), torch::arg("sources"),
                 torch::arg("seg_source"), torch::arg("seg_grad_offset"),
                 torch::arg("no_grad_sources"), torch::arg("segment_groups"),
-                torch::arg("group_hparams"), torch::arg("fixed_params") = c10::IValue()})
+                torch::arg("group_hparams"), torch::arg("fixed_params") = c10::IValue(),
+                torch::arg("steps") = c10::IValue()})
       .def("ready", &zero_ext::adamw::AdamWPlan::ready)
       .def("run", &zero_ext::adamw::AdamWPlan::run)
       .def("num_segments", &zero_ext::adamw::AdamWPlan::num_segments)

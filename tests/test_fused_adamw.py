@@ -808,3 +808,103 @@ def test_cuda_misaligned_views():
     _call(K.fused_adamw_, segs, steps, sg, table)
     _call(K.fused_adamw_reference_, ref, steps, sg, table)
     _assert_segs_close(segs, ref, LOW_TOL[torch.bfloat16])
+
+
+# --------------------------------------------------------------------------- step counts replaced
+
+# Every path of the one AdamW engine: FusedAdamW with its compiled plan (CPU; CUDA where a GPU
+# is seen) and without one (a complex param: the Python path), ZeroRedundancyOptimizer's
+# fused step with param and flat sharding, with offload_optimizer (all of the share, half of
+# it), and ZeroRedundancyOptimizer(FusedAdamW) with offload (the local FusedAdamW's engine).
+STEP_PATHS = [
+    "fused", pytest.param("fused-cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")),
+    "fused-python-path", "zero-param", "zero-flat", "zero-param-offload", "zero-flat-offload",
+    "zero-offload-0.5", "zero-FusedAdamW-offload"]
+# how the count is replaced: its memory (the dict still holds the same tensor: `.data =`,
+# `set_`), a new tensor in the dict, a state dict loaded
+STEP_EDITS = ["data", "set_", "dict", "load_state_dict"]
+STEP_EDITED = {1: 1.0, 4: 10.0}  # param index -> the count it is given (torch's is then 3)
+
+
+def _step_edit(how, opt, states, edited):
+    """Give each param i of `edited` the step count edited[i]; `states[i]`: its state dict
+    (for load_state_dict: its index in the optimizer's state dict)."""
+    if how == "load_state_dict":
+        sd = copy.deepcopy(opt.state_dict())  # (the state's own dicts are not edited)
+        for i, v in edited.items():
+            sd["state"][i]["step"] = torch.tensor(v)
+        opt.load_state_dict(sd)
+        return
+    for i, v in edited.items():
+        st = states[i]
+        if how == "data":
+            st["step"].data = torch.tensor(v)
+        elif how == "set_":
+            st["step"].set_(torch.tensor(v))
+        else:
+            st["step"] = torch.tensor(v)
+
+
+@pytest.mark.parametrize("path", STEP_PATHS)
+@pytest.mark.parametrize("how", STEP_EDITS)
+def test_step_count_replaced_between_steps_is_followed_like_torch(path, how):
+    """A script replaces some params' step counts after step 3 (``st["step"].data = t``,
+    ``st["step"].set_(t)``, ``st["step"] = t`` or a loaded state dict) and the same in
+    torch.optim.AdamW: the bias corrections then follow the new counts, as torch's do. The
+    engine keeps every count as a view into one buffer (engine.py, _StepPack): a count cut off
+    from it by `.data =` / `set_` is the same tensor in the same dict, so the state dicts'
+    identity check does not see it; the compiled plan's storage check and the Python path's
+    pack check must. A count left behind moves the params by ~5e-3 here (lr 1e-2); fp32
+    atol 1e-6, rtol 1e-5 after each of 5 steps after the edit, and the counts themselves
+    equal torch's."""
+    device = "cuda" if path == "fused-cuda" else "cpu"
+    if path.startswith("zero"):
+        _need_native("cpu")
+    g = torch.Generator().manual_seed(7)
+    shapes = [(33, 7), (4097,), (5,), (16, 3), (129,), (1,)]
+    pa = [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes]
+    if path == "fused-python-path":  # (complex: real views taken per step, no compiled plan)
+        pa.append(torch.nn.Parameter(torch.randn(6, 2, generator=g, dtype=torch.complex64)))
+    pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
+
+    def groups(ps):
+        return [dict(params=ps[:3], **GROUPS[0]), dict(params=ps[3:], **GROUPS[3])]
+
+    ref = torch.optim.AdamW(groups(pb), foreach=False)
+    if path.startswith("fused"):
+        opt = FusedAdamW(groups(pa))
+        engine = lambda: opt._engine  # noqa: E731
+        states = lambda: [opt.state[p] for p in pa]  # noqa: E731
+    else:
+        from zero_ext import ZeroRedundancyOptimizer
+
+        offload = {"zero-param-offload": True, "zero-flat-offload": True,
+                   "zero-offload-0.5": 0.5, "zero-FusedAdamW-offload": True}.get(path, False)
+        cls = FusedAdamW if "FusedAdamW" in path else torch.optim.AdamW
+        opt = ZeroRedundancyOptimizer(groups(pa), cls, offload_optimizer=offload,
+                                      sharding="flat" if "flat" in path else "param")
+        engine = lambda: (opt.optim._engine if cls is FusedAdamW  # noqa: E731
+                          else opt._fused_step().engine)
+
+        def states():
+            key = {lp.param_id: lp.key for lp in opt.plan.local}
+            return [opt.optim.state[key[i]] for i in range(len(pa))]
+    for it in range(8):
+        gen = torch.Generator().manual_seed(300 + it)
+        for a, b in zip(pa, pb):
+            gr = torch.randn(a.shape, generator=gen, dtype=a.dtype).to(device)
+            a.grad, b.grad = gr.clone(), gr.clone()
+        opt.step()
+        ref.step()
+        for i, (a, b) in enumerate(zip(pa, pb)):
+            torch.testing.assert_close(a.detach(), b.detach(), **FP32_TOL,
+                                       msg=lambda m: f"{path}, {how}: param {i} after step "
+                                                     f"{it + 1}: {m}")
+        if it == 2:
+            _step_edit(how, opt, states(), STEP_EDITED)
+            _step_edit(how, ref, [ref.state[p] for p in pb], STEP_EDITED)
+    counts = [float(st["step"]) for st in states()]
+    assert counts == [float(ref.state[p]["step"]) for p in pb]
+    assert counts[1] == STEP_EDITED[1] + 5 and counts[0] == 8
+    # the path named served the steps: a compiled plan, or the Python path
+    assert engine()._plan.native == (path != "fused-python-path")

@@ -22,7 +22,12 @@ Host cost per step does not grow with tensor ops per param: the lists handed to 
 are cached (rebuilt when the structure changes: groups, their params, the state dict or its
 size, which params have grads, amsgrad flags, a state entry replaced), and every ``"step"``
 is a 0-d view into one float32 buffer per device, so one ``add_`` advances all of them
-(distinct elements, so a state dict loaded into ``torch.optim.AdamW`` keeps working).
+(distinct elements, so a state dict loaded into ``torch.optim.AdamW`` keeps working). A view
+whose memory is replaced (``st["step"].data = t``, ``st["step"].set_(t)``: the dict still
+holds the same tensor, cut off from the buffer) is seen at the next step like a moment's:
+the compiled plan checks every step's storage with the others, the Python path each pack's
+views; the buffer is then rebuilt from the values the state holds (torch's count goes on
+from the new value, so does ours).
 Where the compiled library can, each kernel call is kept in it as a plan
 (``kernels.adamw.make_plan``): a step then takes no Python work per tensor at all (the grads
 are read and every tensor's storage checked in C++; the state dicts are checked at C speed,
@@ -222,14 +227,26 @@ class _StateSnapshot:
 
 
 class _StepPack:
-    """float32 buffer on one device whose 0-d views are the params' ``state["step"]``."""
+    """float32 buffer on one device whose 0-d views are the params' ``state["step"]``.
+    `ptrs`: where each view's element is (:meth:`intact`)."""
 
-    __slots__ = ("flat", "views", "index")
+    __slots__ = ("flat", "views", "index", "ptrs")
 
     def __init__(self, values: List[float], device: torch.device):
         self.flat = torch.tensor(values, dtype=torch.float32, device=device)
         self.views = list(self.flat.unbind(0)) if values else []
         self.index: Dict[int, int] = {id(v): i for i, v in enumerate(self.views)}
+        base = self.flat.data_ptr()
+        self.ptrs = [base + 4 * i for i in range(len(self.views))]
+
+    def intact(self) -> bool:
+        """Whether every view is still its element of `flat`: a view whose memory was
+        replaced (``.data = t``, ``set_``) is the same tensor object, no longer advanced by
+        ``flat.add_`` nor read by the kernel (about 50 ns per view)."""
+        return list(map(_data_ptr, self.views)) == self.ptrs
+
+
+_data_ptr = Tensor.data_ptr
 
 
 class _Call:
@@ -239,13 +256,18 @@ class _Call:
 
     __slots__ = ("device", "params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
                  "segment_groups", "grads", "pack", "step_index", "complex_params", "masters",
-                 "native", "fixed")
+                 "native", "fixed", "steps")
 
 
 class _Plan:
     # native: every call has its compiled plan (the per-step path without Python per tensor)
     __slots__ = ("key", "none", "chunks", "increments", "refs", "layout", "auto", "snapshot",
-                 "native")
+                 "native", "packs")
+
+    def steps_intact(self) -> bool:
+        """Every step pack's views still its elements (the Python path's check; the
+        compiled plans check the steps of their segments in ready())."""
+        return all(pk.intact() for pk in self.packs)
 
     def ready(self) -> bool:
         """Every call's compiled plan finds its grads and storages as built (and takes this
@@ -322,7 +344,8 @@ class AdamWEngine:
             if any(g is None for g in grads):
                 none = tuple(i for i, g in enumerate(grads) if g is None)
             if plan is None or plan.native or plan.layout is not layout or plan.none != none \
-                    or plan.key != key or not plan.snapshot.same(state):
+                    or plan.key != key or not plan.snapshot.same(state) \
+                    or not plan.steps_intact():
                 plan = self._plan = self._build(param_groups, state, layout, grads, none)
                 plan.auto = auto
                 native = plan.native  # (their ready() ran in _build)
@@ -421,6 +444,7 @@ class AdamWEngine:
                     sel, dtype=torch.float32, device=pk.flat.device)))
         plan = _Plan()
         plan.none, plan.chunks, plan.increments = none, chunks, increments
+        plan.packs = packs
         plan.refs = (state, [g["params"] for g in param_groups])
         plan.snapshot = _StateSnapshot(state, stepping)
         plan.layout, plan.auto = layout, False
@@ -448,7 +472,8 @@ class AdamWEngine:
                 c.params, c.exp_avgs, c.exp_avg_sqs, c.max_exp_avg_sqs, c.masters,
                 [sources[j] for j in srcs], [local[g[0]] for g in c.grads],
                 [g[1] for g in c.grads], no_grad, c.segment_groups, table,
-                hold=len(calls) > 1, fixed_params=c.fixed if any(c.fixed) else None)
+                hold=len(calls) > 1, fixed_params=c.fixed if any(c.fixed) else None,
+                steps=c.steps)
             if c.native is None:
                 break
             no_grad = []
@@ -520,7 +545,8 @@ class AdamWEngine:
         c.segment_groups = torch.tensor([s.group for s in segs], dtype=torch.int64)
         c.fixed = [s.fixed for s in segs]
         # steps of this call: one pack, in order (no copy), or an index into one pack.
-        locs = [self._locate(packs, stepping[id(s.key)]["step"]) for s in segs]
+        c.steps = [stepping[id(s.key)]["step"] for s in segs]  # (the plan checks them)
+        locs = [self._locate(packs, step) for step in c.steps]
         pk0 = locs[0][0]
         if all(pk is pk0 for pk, _ in locs) and (pk0.flat.device.type == "cpu"
                                                  or pk0.flat.device == dev):
@@ -541,11 +567,13 @@ class AdamWEngine:
         raise RuntimeError("AdamWEngine: a state 'step' is not packed (internal error)")
 
     def _pack_steps(self, state) -> List[_StepPack]:
-        """Reuse the current packs when every state's step is one of their views, else copy
-        all step values into fresh packs (one per device the steps live on)."""
+        """Reuse the current packs when every state's step is one of their views, each still
+        its element (:meth:`_StepPack.intact`), else copy all step values into fresh packs
+        (one per device the steps live on)."""
         old = self._packs()
         steps = [st["step"] for st in state.values() if isinstance(st, dict) and "step" in st]
         if old and len(steps) == sum(len(pk.views) for pk in old) and all(
+                pk.intact() for pk in old) and all(
                 any(pk.index.get(id(s)) is not None and pk.views[pk.index[id(s)]] is s
                     for pk in old) for s in steps):
             return old

@@ -408,7 +408,9 @@ class FusedAdamWPlan:
       (every ``no_grad_sources`` entry still none) of the dtype, numel and device seen at
       build, contiguous, aligned as at build; every param (but those made with
       ``fixed_params``) and state tensor has the storage it had (``p.data = t``, a moment's
-      ``.data`` replaced: False), every param its numel.
+      ``.data`` replaced: False), every param its numel, and every step count given to
+      :func:`make_plan` (``steps``) the storage it had (``step.data = t``, ``step.set_(t)``:
+      False).
       It also takes this step's grad pointers. False changes nothing: the caller rebuilds
       its lists.
     - :meth:`run`: the step, right after a :meth:`ready` that returned True, with this
@@ -464,7 +466,8 @@ def make_plan(params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
               seg_source: Sequence[int], seg_grad_offset: Sequence[int],
               no_grad_sources: Sequence[Tensor], segment_groups: Tensor,
               group_hparams: Tensor, hold: bool = False,
-              fixed_params: Optional[Sequence[bool]] = None) -> Optional[FusedAdamWPlan]:
+              fixed_params: Optional[Sequence[bool]] = None,
+              steps: Optional[Sequence[Tensor]] = None) -> Optional[FusedAdamWPlan]:
     """A :class:`FusedAdamWPlan` for these lists, or None where :func:`fused_adamw_` must
     serve them instead: no compiled plan for the device (CPU-only build, references), a
     segment the kernels do not take as it is (non-contiguous, float64, complex: staged or
@@ -478,7 +481,12 @@ def make_plan(params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
 
     ``fixed_params[i]`` True: the caller owns param ``i``'s memory and never moves it while
     the plan lives (offload_optimizer's host keys), so :meth:`FusedAdamWPlan.ready` does not
-    check its storage (its state tensors' it does)."""
+    check its storage (its state tensors' it does).
+
+    ``steps``: one tensor per segment, whose value the caller passes to
+    :meth:`FusedAdamWPlan.run` (the AdamW engine's per-param ``state["step"]``, 0-d views into
+    the buffer it passes): :meth:`FusedAdamWPlan.ready` also checks that each still has the
+    storage it had, so a count whose memory was replaced (``.data = t``, ``set_``) is seen."""
     ensure_loaded()
     if not params:
         return None
@@ -493,7 +501,8 @@ def make_plan(params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                      torch.tensor(list(seg_grad_offset), dtype=torch.int64),
                      list(no_grad_sources), segment_groups, group_hparams,
                      torch.tensor(list(fixed_params), dtype=torch.bool)
-                     if fixed_params is not None else None)
+                     if fixed_params is not None else None,
+                     list(steps) if steps is not None else None)
     except RuntimeError:
         return None
     plan = FusedAdamWPlan(native, len(params), device)

@@ -253,19 +253,36 @@ def test_optimizer_replaced_between_backward_and_step_is_an_error():
 
 # ------------------------------------------------------------------ a model wrapped again
 
+def _gloo_carries_complex():
+    """Whether this torch's gloo takes complex tensors (2.6's raises 'Invalid scalar type'
+    in DDP's first broadcast). Every rank asks, so the probe is itself a collective."""
+    try:
+        torch.distributed.broadcast(torch.zeros(1, dtype=torch.complex64), 0)
+    except RuntimeError:
+        return False
+    return True
+
+
 class _ComplexNet(torch.nn.Module):
     """A complex param beside real ones: DDP's first iteration buckets them apart (by
-    dtype), so a static_graph DDP's first backward hands the hook two buckets."""
+    dtype), so a static_graph DDP's first backward hands the hook two buckets. Where gloo
+    cannot carry complex tensors, a float64 param splits the buckets the same way."""
 
-    def __init__(self):
+    def __init__(self, complex_param=True):
         super().__init__()
         torch.manual_seed(0)
         self.emb = torch.nn.Linear(12, 24)
-        self.c = torch.nn.Parameter(torch.complex(torch.randn(24), torch.randn(24)) * 0.5)
+        if complex_param:
+            self.c = torch.nn.Parameter(torch.complex(torch.randn(24), torch.randn(24)) * 0.5)
+        else:
+            self.c = torch.nn.Parameter(torch.randn(24, dtype=torch.float64) * 0.5)
         self.head = torch.nn.Linear(24, 5)
 
     def forward(self, x):
         h = torch.tanh(self.emb(x))
+        if not self.c.is_complex():
+            z = h.double() * self.c
+            return self.head(h + 0.5 * z.float())
         z = h.to(torch.complex64) * self.c
         return self.head(h + 0.5 * z.real + 0.25 * z.imag)
 
@@ -288,7 +305,8 @@ def _wrapped_again(rank, world, sharding, old, reader):
     from zero_ext.ddp_zero_hook import gather_grads, reduce_scatter_hook
 
     kw = dict(bucket_cap_mb=SMALL, static_graph=True)
-    net, ref_net = _ComplexNet(), _ComplexNet()
+    complex_param = _gloo_carries_complex()
+    net, ref_net = _ComplexNet(complex_param), _ComplexNet(complex_param)
     opt = ZeroRedundancyOptimizer(_groups(net), torch.optim.AdamW, sharding=sharding, **HP)
     o_ref = torch.optim.AdamW(_groups(ref_net), **HP)
     ddp, ref = DDP(net, **kw), DDP(ref_net, **kw)

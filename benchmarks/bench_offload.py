@@ -32,6 +32,15 @@ grads and param values device -> host, packed through the staging) and the push 
 updated params host -> device), each against a plain ``copy_`` of the same bytes between
 the same kinds of memory (on the CPU both are memory copies; on a GPU pinned host memory
 over the link). Machines are noisy: compare ratios from one run only.
+
+Part "hook": what reduce_scatter_hook's early copies of the grads cost, with the
+fingerprints that let the step notice grads changed since (through ``.data``: no version
+counter moves) and without them (the copies trusted, as before the check; wrong after such
+an edit). "hook": the copies of every host piece's grad as the hook makes them (one bucket
+of the whole share), with and without the fingerprint of each window; "hook + step": those
+copies and then the step's pull (the params' values device -> host, and the step's check of
+the early copies: every window fingerprinted again from the grads and compared), with and
+without; and the pull without early copies (every grad copied at the step) for scale.
 """
 from __future__ import annotations
 
@@ -197,11 +206,80 @@ def bench_copies(title, shapes, device, args):
     return text
 
 
+def bench_hook(title, shapes, device, args):
+    """The hook's early grad copies and the step's pull after them, with and without the
+    fingerprints (see the module docstring, part "hook")."""
+    from zero_ext import kernels, offload
+
+    params = _params(shapes, device)
+    opt = offload_optimizer(params)
+    host = opt._offload
+    mine = [(s, params[s.param_id].grad) for s in host.slots]
+    early_valid = {s.param_id for s in host.slots}
+    real_fp, real_check = offload._fingerprint_window, offload.HostShard._check_early
+
+    def no_fp(b, w, srcs, out):  # (what _to_host then needs of it: the packed flatten)
+        if not w.direct:
+            kernels.flatten.flatten_into(srcs, offload._staging(b, True), w.rel)
+
+    def no_check(self, early, grads):
+        self._hook_windows = []
+        return early
+
+    def variant(fn, check: bool):
+        def run():
+            offload._fingerprint_window = real_fp if check else no_fp
+            offload.HostShard._check_early = real_check if check else no_check
+            try:
+                fn()
+            finally:
+                offload._fingerprint_window, offload.HostShard._check_early = \
+                    real_fp, real_check
+        return run
+
+    def hook():
+        host.end_step()
+        host._copy_bucket(list(mine))
+        host.wait()
+
+    def hook_and_step():
+        hook()
+        host.pull(early_valid)
+        host.wait()
+
+    def step_only():
+        host.end_step()
+        host.pull(set())
+        host.wait()
+
+    fns = {"hook's copies, with fingerprints": variant(hook, True),
+           "hook's copies, without": variant(hook, False),
+           "hook + step's pull, with the check": variant(hook_and_step, True),
+           "hook + step's pull, without": variant(hook_and_step, False),
+           "step's pull alone, no early copies": step_only}
+    res = time_interleaved(fns, reps=args.reps, warmup=1, device=device,
+                           max_seconds={k: args.max_seconds for k in fns})
+    host.end_step()
+    assert host.sent_again == 0  # (nothing changed the grads: no window sent twice)
+    t = {k: r[args.stat] for k, r in res.items()}
+    keys = list(t)
+    rows = [[k, f"{1e3 * t[k]:.2f}",
+             f"{t[k] / t[keys[i + 1]]:.2f}x" if i in (0, 2) else ""]
+            for i, k in enumerate(keys)]
+    text = print_table(f"{title}: the hook's early grad copies and the step's pull after "
+                       f"them, with and without the fingerprints ({device})",
+                       ["variant", "ms", "with / without"], rows)
+    opt._offload.detach_grads()
+    del opt, params
+    gc.collect()
+    return text
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="where the params (and their grads) live")
-    ap.add_argument("--parts", default="step,copies")
+    ap.add_argument("--parts", default="step,copies,hook")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--max-seconds", type=float, default=20.0,
@@ -245,6 +323,8 @@ def main(argv=None) -> int:
                             f"{torch_best / t[HOST]:.2f}x"])
         if "copies" in parts:
             texts.append(bench_copies(title, shapes, args.device, args))
+        if "hook" in parts:
+            texts.append(bench_hook(title, shapes, args.device, args))
     if summary:
         texts.append(print_table(
             "The offload host step per set: GB/s at 28 B/element, that over the first set's "

@@ -65,6 +65,9 @@ def _case(rank, world, cfg):
             elif cfg.get("inf_at") == it:
                 loss = loss + float("inf") * m.module[-1].bias.sum()
             (sc.scale(loss) if sc else loss).backward()
+            if cfg.get("data_mul"):  # (fairseq's multiply_grads: moves no version counter)
+                for p in m.parameters():
+                    p.grad.data.mul_(0.5)
             if sc is not None:
                 sc.unscale_(o)
             if is_ref:
@@ -85,6 +88,10 @@ def _case(rank, world, cfg):
     assert host.numel > 0 and (host.numel == opts[0].local_numel) == (cfg["offload"] is True)
     if cfg.get("hook") and not cfg.get("scaler"):
         assert host.pulled_early > 0  # (the buckets' copies, on the side stream)
+    if cfg.get("data_mul"):  # (the .data edits seen by the fingerprints: sent again)
+        assert host.sent_again > 0
+    elif not cfg.get("scaler"):  # (unchanged grads: no window sent twice)
+        assert host.sent_again == 0
     state_on_gpu = sum(v.numel() for lp in opts[0].plan.local if lp.host
                        for v in opts[0].optim.state[lp.key].values()
                        if isinstance(v, torch.Tensor) and v.is_cuda)
@@ -97,6 +104,7 @@ def _case(rank, world, cfg):
 CASES = {
     "flat-whole-hook": dict(sharding="flat", offload=True, hook=True),
     "flat-half-hook": dict(sharding="flat", offload=0.5, hook=True),
+    "flat-half-hook-data-mul": dict(sharding="flat", offload=0.5, hook=True, data_mul=True),
     "param-whole": dict(sharding="param", offload=True),
     "even-half-bf16-masters-hook": dict(sharding="even", offload=0.5, hook=True,
                                         dtype=torch.bfloat16),

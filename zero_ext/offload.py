@@ -37,6 +37,7 @@ real copies, every pull, push and staging step happens, so CI covers every path.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import operator
@@ -120,6 +121,7 @@ def check_supported(optimizer_class: type, overlap_with_ddp: bool, params: Seque
 
 
 _GRAD = operator.attrgetter("grad")
+_NO_STREAM = contextlib.nullcontext()
 
 
 def _is_cuda(dev: torch.device) -> bool:
@@ -174,19 +176,23 @@ class _Buffers:
     grad_source: Optional[Tensor] = None
     stage: Optional[Tensor] = None        # the step's staging (current stream)
     hook_stage: Optional[Tensor] = None   # the hook's staging (side stream)
+    # the fingerprints' scratch (int32, one per 16-bit word of hook_stage; side stream)
+    fp_scratch: Optional[Tensor] = None
 
 
 class _Window:
     """A copy between some device tensors and host elements [lo, hi) of one buffer: one
     tensor copied directly, or several packed through the staging (`rel`: offsets in it)."""
 
-    __slots__ = ("buf", "lo", "hi", "slots", "rel", "direct")
+    __slots__ = ("buf", "lo", "hi", "slots", "rel", "direct", "tight")
 
     def __init__(self, buf: int, slots: List[_Slot], direct: bool):
         self.buf, self.slots, self.direct = buf, slots, direct
         self.lo = slots[0].offset
         self.hi = slots[-1].offset + slots[-1].length
         self.rel = [s.offset - self.lo for s in slots]
+        # no alignment gap between its slots (the staging's gaps hold whatever was there)
+        self.tight = all(a + s.length == b for a, s, b in zip(self.rel, slots, self.rel[1:]))
 
 
 def _windows(buffers: List[_Buffers], chosen: Sequence[_Slot]) -> List[_Window]:
@@ -232,17 +238,106 @@ def _staging(b: _Buffers, hook: bool) -> Tensor:
     return t
 
 
-def _to_host(b: _Buffers, host: Tensor, w: _Window, srcs: List[Tensor], hook: bool) -> None:
+def _to_host(b: _Buffers, host: Tensor, w: _Window, srcs: List[Tensor], hook: bool,
+             fp: Optional[Tensor] = None) -> None:
     """Device tensors `srcs` (one per slot of `w`) into host elements [w.lo, w.hi) of `host`
-    (b.params or b.grads)."""
+    (b.params or b.grads). `fp` (the hook's copies): the window's fingerprint goes there,
+    computed on the device from what is copied (`_fingerprint_window`)."""
     nb = _is_cuda(b.device)
+    if fp is not None:  # (packed: flattens into the hook's staging, which is copied below)
+        _fingerprint_window(b, w, srcs, fp)
     if w.direct:
         s = w.slots[0]
         host[s.offset:s.offset + s.length].view(srcs[0].shape).copy_(srcs[0], non_blocking=nb)
         return
     stage = _staging(b, hook)
-    kernels.flatten.flatten_into(srcs, stage, w.rel)
+    if fp is None:
+        kernels.flatten.flatten_into(srcs, stage, w.rel)
     host[w.lo:w.hi].copy_(stage[:w.hi - w.lo], non_blocking=nb)
+
+
+# ------------------------------------------------------------------------------ fingerprints
+#
+# The hook sends a bucket's owned grads to the host as soon as its reduce-scatter is done;
+# the step uses those copies only if the grads still hold what was copied. Version counters
+# say so for writes through autograd's view of a grad, but not for writes through `.data`
+# (`p.grad.data.mul_(s)`, as fairseq's multiply_grads; a clip or a zero_ through `.data`),
+# which move no counter. So each window the hook copies gets a fingerprint, computed on the
+# device from the very bytes copied; the step computes it again from the current grads, the
+# same way, on the device, and copies the windows whose fingerprints differ again.
+#
+# The fingerprint of n bytes (padded with zeros to a multiple of 8) is two integers: the sum
+# of its 64-bit words (modulo 2^64) and the sum of the squares of its 16-bit words (each
+# below 2^30; the sum is below 2^63 for fewer than 2^33 words, so it does not wrap). Integer
+# sums are exact: the same bytes give the same two numbers whatever order a kernel sums them
+# in, whatever the memory layout, thread count or device, so a window nobody changed is
+# never copied twice. The first sum sees any change of a single element and almost any
+# change of many; the second, nonlinear, sees what keeps the first (a sign flip of as many
+# positive as negative elements moves the first by a multiple of 2^64). What keeps both is a
+# permutation of the window's elements (two grads' values swapped), or a collision as
+# unlikely as a 64-bit hash's: docs/design.md section 12.
+
+
+def _scratch(b: _Buffers) -> Tensor:
+    if b.fp_scratch is None:
+        stage = _staging(b, True)
+        b.fp_scratch = torch.empty(stage.numel() * b.itemsize // 2, dtype=torch.int32,
+                                   device=b.device)
+    return b.fp_scratch
+
+
+def _fingerprint(region: Tensor, scratch: Tensor, out: Tensor, add: bool) -> None:
+    """out (int64 [2]) = (sum of `region`'s 64-bit words mod 2^64, sum of the squares of its
+    16-bit words); `add`: added to what out holds (a tensor in several chunks). `region`: a
+    contiguous 1-D start of a staging buffer, its size a multiple of 8 bytes. Four kernels,
+    on the current stream, reading the region twice and the scratch three times."""
+    words = region.view(torch.int16)
+    sq = scratch[:words.numel()]
+    sq.copy_(words)
+    sq.mul_(sq)
+    if add:
+        out[0] += region.view(torch.int64).sum()
+        out[1] += sq.sum(dtype=torch.int64)
+    else:
+        torch.sum(region.view(torch.int64), 0, out=out[0])
+        torch.sum(sq, 0, dtype=torch.int64, out=out[1])
+
+
+def _fingerprint_window(b: _Buffers, w: _Window, srcs: List[Tensor], out: Tensor) -> None:
+    """The fingerprint of window `w` of the tensors `srcs` into `out`: a packed window as
+    laid out in the hook's staging (flattened there, its gaps and tail zeroed: it stays
+    there for the hook's copy), a direct one through the staging in chunks. On the current
+    stream (the hook's side stream, at the hook and at the step's check alike)."""
+    stage = _staging(b, True)
+    scratch = _scratch(b)
+    q = max(1, 8 // b.itemsize)  # (elements of 8 bytes)
+    if not w.direct:
+        n = w.hi - w.lo
+        m = -(-n // q) * q  # (within the staging: its size is a multiple of 16 bytes)
+        if not w.tight:
+            stage[:m].zero_()
+        elif m > n:
+            stage[n:m].zero_()
+        kernels.flatten.flatten_into(srcs, stage, w.rel)
+        _fingerprint(stage[:m], scratch, out, False)
+        return
+    src = srcs[0]
+    flat = src.view(-1) if src.is_contiguous() else src.contiguous().view(-1)
+    # (read where it lies when it starts on 8 bytes: its words are then those it has in the
+    # staging; else, and its last few elements, through the staging)
+    aligned = flat.data_ptr() % 8 == 0
+    step = stage.numel()
+    for k, lo in enumerate(range(0, flat.numel(), step)):
+        n = min(step, flat.numel() - lo)
+        m = -(-n // q) * q
+        if aligned and m == n:
+            region = flat[lo:lo + n]
+        else:
+            stage[:n].copy_(flat[lo:lo + n])
+            if m > n:
+                stage[n:m].zero_()
+            region = stage[:m]
+        _fingerprint(region, scratch, out, k > 0)
 
 
 def _to_device(b: _Buffers, w: _Window, dsts: List[Tensor]) -> None:
@@ -280,6 +375,11 @@ class HostShard:
         self._grad_windows: Dict[tuple, List[_Window]] = {}
         self._early: set = set()  # slots whose grads the hook sent in this backward
         self._early_error: Optional[BaseException] = None
+        # the windows the hook sent (each with its fingerprint, in the row of its first
+        # slot of `_fingerprints`), and the step's check of them until `wait` reads it
+        self._hook_windows: List[_Window] = []
+        self._fingerprints: Dict[torch.device, Tuple[Tensor, Tensor, Tensor]] = {}
+        self._checking: Optional[tuple] = None
         self._events: list = []  # CUDA events the host waits for before it steps
         self._streams: Dict[torch.device, Any] = {}
         # the hook's copies run in the collectives' callbacks, which complete on the
@@ -296,6 +396,9 @@ class HostShard:
         # pieces whose grads went to the host: from the hook's buckets, or at the step
         self.pulled_early = 0
         self.pulled_at_step = 0
+        # of pulled_early: pieces sent again at the step, their window changed since the
+        # hook's copy (an edit through `.data`: no version counter moved)
+        self.sent_again = 0
         # every host piece had its grad at the last pull (the fused step may then read them
         # all from the grads buffers: local_step.share_layout)
         self.all_grads = False
@@ -385,6 +488,8 @@ class HostShard:
                           else 1 if s.length == p.numel() and p.is_contiguous() else 2
                           for s, p in zip(self.slots, self._slot_params)]
         self._early = set()  # (slot indices of the old layout)
+        self._hook_windows, self._checking = [], None
+        self._fingerprints = {}  # (one row per slot of this layout)
         self._param_windows = _windows(self.buffers, self.slots)
         self._grad_windows = {}
         self._packed = None  # the host keys moved: pack the state again into new buffers
@@ -439,12 +544,13 @@ class HostShard:
             error, self._early_error = self._early_error, None
             if early_valid:
                 raise error
-        params = self.plan.params
+        grads = list(map(_GRAD, self._slot_params))
+        if early:  # (queued first: on a GPU it runs on the side stream during the copies)
+            early = self._check_early(early, grads)
         views = self._param_views()
         for w in self._param_windows:
             b = self.buffers[w.buf]
             _to_host(b, b.params, w, [views[s.index] for s in w.slots], hook=False)
-        grads = list(map(_GRAD, self._slot_params))
         # (a key's grad dropped from outside, opt.optim.zero_grad(): attached again)
         attached = all(map(operator.is_, (s.key.grad for s in self.slots), self._slot_grads))
         missing = any(map(operator.is_, grads, itertools.repeat(None)))
@@ -458,10 +564,7 @@ class HostShard:
                                      if g is not None and s.index in early)
         else:  # (the usual step: every piece has its grad, none came early)
             chosen, key = self.slots, None
-        srcs = {s.index: (g if how == 0 else g.reshape(s.key.shape) if how == 1
-                          else _grad_view(g, s.start, s.length, s.key.shape))
-                for s, g, how in ((s, grads[s.index], self._grad_how[s.index])
-                                  for s in chosen)}
+        srcs = self._grad_srcs(chosen, grads)
         self.pulled_at_step += len(chosen)
         windows = self._grad_windows.get(key)
         if windows is None:
@@ -481,11 +584,102 @@ class HostShard:
             self._record_event(dev)
         self.copy_seconds += time.perf_counter() - t0
 
+    def _grad_srcs(self, slots: Sequence[_Slot], grads: list) -> Dict[int, Tensor]:
+        """slot index -> the device elements of its grad, the key's shape."""
+        return {s.index: (g if how == 0 else g.reshape(s.key.shape) if how == 1
+                          else _grad_view(g, s.start, s.length, s.key.shape))
+                for s, g, how in ((s, grads[s.index], self._grad_how[s.index])
+                                  for s in slots)}
+
+    def _fingerprint_rows(self, dev: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
+        """(the hook's fingerprints, the step's, whether they differ: on the host) of the
+        windows on `dev`, one row per slot (a window's: its first slot's)."""
+        rows = self._fingerprints.get(dev)
+        if rows is None:
+            n = len(self.slots)
+            rows = self._fingerprints[dev] = (
+                torch.zeros(n, 2, dtype=torch.int64, device=dev),
+                torch.zeros(n, 2, dtype=torch.int64, device=dev),
+                torch.zeros(n, dtype=torch.bool, pin_memory=_is_cuda(dev)))
+        return rows
+
+    def _check_early(self, early: set, grads: list) -> set:
+        """(pull) Whether the grads the hook sent still hold what it sent: each window it
+        sent is fingerprinted again from the current grads, on the device (GPU: on the
+        side stream, while the step's copies go on), and compared there with the hook's
+        fingerprint; `wait` reads the verdicts and sends the changed windows again. Returns
+        `early` less the pieces of windows not all of whose pieces are still early (sent
+        again by the pull with the others)."""
+        windows, self._hook_windows = self._hook_windows, []
+        checked, partial = [], set()
+        for w in windows:
+            if all(s.index in early for s in w.slots):
+                checked.append(w)
+            else:
+                partial.update(s.index for s in w.slots)
+        early = early - partial
+        if not checked:
+            return early
+        srcs = self._grad_srcs([s for w in checked for s in w.slots], grads)
+        flags = {}
+        for dev in {self.buffers[w.buf].device for w in checked}:
+            hook_fp, step_fp, host_flags = self._fingerprint_rows(dev)
+            cuda = _is_cuda(dev)
+            if cuda:
+                side = self._stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side) if cuda else _NO_STREAM:
+                for w in checked:
+                    b = self.buffers[w.buf]
+                    if b.device == dev:
+                        _fingerprint_window(b, w, [srcs[s.index] for s in w.slots],
+                                            step_fp[w.slots[0].index])
+                differ = torch.ne(hook_fp, step_fp).any(1)
+                if cuda:
+                    host_flags.copy_(differ, non_blocking=True)
+                    self._record_event(dev, side)
+                flags[dev] = host_flags if cuda else differ
+        self._checking = (checked, srcs, flags)
+        return early
+
     def wait(self) -> None:
-        """The host waits for the copies queued so far (GPU: their events)."""
+        """The host waits for the copies queued so far (GPU: their events); after a pull
+        that checked the hook's copies, sends the changed ones again and waits for them."""
         events, self._events = self._events, []
         for ev in events:
             ev.synchronize()
+        if self._checking is not None:
+            self._send_changed()
+
+    def _send_changed(self) -> None:
+        """(the first `wait` after a pull that checked the hook's copies) The windows whose
+        fingerprints differ are sent again (GPU: on the side stream, through the hook's
+        staging), and the host waits for them."""
+        t0 = time.perf_counter()
+        checked, srcs, flags = self._checking
+        self._checking = None
+        verdicts = {dev: f.tolist() for dev, f in flags.items()}
+        changed = [w for w in checked
+                   if verdicts[self.buffers[w.buf].device][w.slots[0].index]]
+        if not changed:
+            return
+        for dev in {self.buffers[w.buf].device for w in changed}:
+            cuda = _is_cuda(dev)
+            side = self._stream(dev) if cuda else None
+            with torch.cuda.stream(side) if cuda else _NO_STREAM:
+                for w in changed:
+                    b = self.buffers[w.buf]
+                    if b.device == dev:
+                        _to_host(b, b.grads, w, [srcs[s.index] for s in w.slots], hook=True)
+                self._record_event(dev, side)
+        n = sum(len(w.slots) for w in changed)
+        self.sent_again += n
+        self.pulled_early -= n
+        self.pulled_at_step += n
+        events, self._events = self._events, []
+        for ev in events:
+            ev.synchronize()
+        self.copy_seconds += time.perf_counter() - t0
 
     def push(self) -> None:
         """Host to device: the updated host pieces into the params' memory (through .data:
@@ -501,6 +695,7 @@ class HostShard:
         sent belong to the backward before it."""
         self._early = set()
         self._early_error = None
+        self._hook_windows, self._checking = [], None
         self.all_grads = False  # (the next step's pull finds them again)
 
     def _attach(self, grads: list) -> None:
@@ -549,18 +744,20 @@ class HostShard:
         slots = [s for s, _ in mine]
         srcs = {s.index: _grad_view(g, s.start, s.length, s.key.shape) for s, g in mine}
         dev = self.buffers[slots[0].buffer].device
-        if _is_cuda(dev):
+        hook_fp = self._fingerprint_rows(dev)[0]
+        windows = _windows(self.buffers, slots)
+        cuda = _is_cuda(dev)
+        if cuda:
             side = self._stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for w in _windows(self.buffers, slots):
-                    b = self.buffers[w.buf]
-                    _to_host(b, b.grads, w, [srcs[s.index] for s in w.slots], hook=True)
-                self._record_event(dev, side)
-        else:
-            for w in _windows(self.buffers, slots):
+        with torch.cuda.stream(side) if cuda else _NO_STREAM:
+            for w in windows:
                 b = self.buffers[w.buf]
-                _to_host(b, b.grads, w, [srcs[s.index] for s in w.slots], hook=True)
+                _to_host(b, b.grads, w, [srcs[s.index] for s in w.slots], hook=True,
+                         fp=hook_fp[w.slots[0].index])
+            if cuda:
+                self._record_event(dev, side)
+        self._hook_windows.extend(windows)
         self._early.update(s.index for s in slots)
 
     # ------------------------------------------------------------------ packed state
@@ -649,4 +846,7 @@ class HostShard:
     def device_bytes(self) -> int:
         """Device memory this holds itself: the staging buffers."""
         return sum(t.numel() * t.element_size() for b in self.buffers
-                   for t in (b.stage, b.hook_stage) if t is not None and _is_cuda(t.device))
+                   for t in (b.stage, b.hook_stage, b.fp_scratch)
+                   if t is not None and _is_cuda(t.device)) \
+            + sum(t.numel() * t.element_size() for rows in self._fingerprints.values()
+                  for t in rows[:2] if _is_cuda(t.device))

@@ -1036,7 +1036,7 @@ def main(argv=None) -> int:
               f"{_prebuild() if not from_env else 'native ops loaded by rank 0 first'}",
               flush=True)
         chain = chain_length({"chain": args.chain, "modes": modes})
-        print(f"# compute stand-in: "
+        print("# compute stand-in: "
               + (f"{args.compute_ms:g} ms forward / {2 * args.compute_ms:g} ms backward per "
                  f"layer (mlp, mlp512: per Linear; gpt2: per block)" if args.compute_ms else
                  "off (--compute-ms 0)")

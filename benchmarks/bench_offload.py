@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from common import print_table, time_interleaved  # noqa: E402
-from model_shapes import gpt2_shapes, numel  # noqa: E402
+from model_shapes import gpt2_shapes  # noqa: E402
 
 BYTES = 28  # fp32 AdamW per element
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)

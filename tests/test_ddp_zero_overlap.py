@@ -18,7 +18,6 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 

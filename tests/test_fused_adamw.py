@@ -12,7 +12,6 @@ Tolerances (explicit, per dtype):
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch

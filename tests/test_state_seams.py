@@ -24,8 +24,7 @@ import time
 import pytest
 import torch
 
-from _dist import (WORLD_SIZES, Scenarios, error_of, assert_params_close, assert_raised,
-                   assert_same_on_every_rank, detached, gloo_available, make_params, sd_diff)
+from _dist import (WORLD_SIZES, Scenarios, error_of, assert_params_close, assert_same_on_every_rank, detached, gloo_available, make_params, sd_diff)
 
 pytestmark = pytest.mark.skipif(not gloo_available(), reason="needs torch.distributed with gloo")
 

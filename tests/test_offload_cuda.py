@@ -90,7 +90,7 @@ def _case(rank, world, cfg):
         assert host.pulled_early > 0  # (the buckets' copies, on the side stream)
     if cfg.get("data_mul"):  # (the .data edits seen by the fingerprints: sent again)
         assert host.sent_again > 0
-    elif not cfg.get("scaler"):  # (unchanged grads: no window sent twice)
+    elif cfg.get("hook") and not cfg.get("scaler"):  # (unchanged: no window sent twice)
         assert host.sent_again == 0
     state_on_gpu = sum(v.numel() for lp in opts[0].plan.local if lp.host
                        for v in opts[0].optim.state[lp.key].values()

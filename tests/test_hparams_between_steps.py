@@ -358,3 +358,107 @@ def test_differentiable_group_added_steps_as_torch_does():
             torch.testing.assert_close(a.detach(), b.detach(), **CPU_TOL)
     with pytest.raises(ValueError, match="capturable=True"):
         opt.add_param_group(dict(params=[torch.zeros(2, requires_grad=True)], capturable=True))
+
+
+# ------------------------------------------------------------- the same refusals under ZeRO
+# Under ZeroRedundancyOptimizer a refused key must stop every rank before any rank steps: a
+# rank stepping its share of the groups before the refused one (torch's order), or a rank
+# owning no param of that group stepping all of its share, would leave the replicas apart
+# (each rank's params are then a mix of stepped and unstepped shares, and the exchange that
+# would have made them whole never ran).
+
+def zero_refusal_case(spec, ctx):
+    """Two steps, then `key` = `value` on group `gi`: the third step must raise on every rank
+    (torch's exception type where torch raises) with nothing stepped anywhere, params and
+    this rank's state alike; the key set back, the run goes on equal to torch's run that
+    never took the refused step. "no-grads": the group's params have no grad from the third
+    step on, so nothing is refused, as in torch."""
+    from zero_ext import ZeroRedundancyOptimizer
+
+    cls_name, sharding, key, value, gi, no_grads = spec
+    cls = FusedAdamW if cls_name == "FusedAdamW" else torch.optim.AdamW
+    ours = [p.detach().requires_grad_() for p in make_params(SHAPES, seed=4)]
+    theirs = clones(ours)
+    opt = ZeroRedundancyOptimizer(groups_of(ours), cls, process_group=ctx.pg, sharding=sharding)
+    ref = torch.optim.AdamW(groups_of(theirs), foreach=False)
+    members = set(range(2 * gi, 2 * gi + 2))
+
+    def grads(it):
+        for ps in (ours, theirs):
+            _grads(ps, it, "cpu")
+            if no_grads and it >= 2:
+                for k in members:
+                    ps[k].grad = None
+
+    def compare(it):
+        for k, (a, b) in enumerate(zip(ours, theirs)):
+            torch.testing.assert_close(a.detach(), b.detach(), **CPU_TOL,
+                                       msg=lambda m, k=k: f"param {k}, step {it}: {m}")
+
+    for it in range(2):
+        grads(it)
+        opt.step()
+        ref.step()
+    opt.param_groups[gi][key] = value
+    grads(2)
+    raised = None
+    if no_grads:
+        ref.param_groups[gi][key] = value
+        opt.step()
+        ref.step()
+        compare(2)
+    else:
+        local = [lp.key for lp in opt.plan.local]
+        before_params, before_state = detached(ours), _state_of(opt.optim, local)
+        before_local = detached(local)
+        with pytest.raises(Exception) as caught:
+            opt.step()
+        raised = (type(caught.value).__name__, str(caught.value))
+        _assert_nothing_stepped(opt.optim, local, before_local, before_state,
+                                f"{key} on group {gi}, rank {ctx.rank}")
+        for k, (p, b) in enumerate(zip(ours, before_params)):
+            assert torch.equal(p.detach(), b), f"rank {ctx.rank}: param {k} changed"
+        opt.param_groups[gi][key] = not value
+        opt.step()  # (step 2's grads again: the refused step's)
+        ref.step()
+        compare(2)
+    for it in range(3, 5):
+        grads(it)
+        opt.step()
+        ref.step()
+        compare(it)
+    return raised
+
+
+ZERO_REFUSALS = [
+    ("AdamW", "param", "capturable", True, 1, False),
+    ("AdamW", "flat", "capturable", True, 2, False),
+    ("AdamW", "even", "capturable", True, 0, False),
+    ("FusedAdamW", "param", "capturable", True, 1, False),
+    ("FusedAdamW", "flat", "decoupled_weight_decay", False, 2, False),
+    ("AdamW", "param", "capturable", True, 1, True),
+]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def zero_refusal_world(request):
+    if not gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    return run_specs(request.param, zero_refusal_case, ZERO_REFUSALS, prefix="refusal")
+
+
+@pytest.mark.parametrize("spec", ZERO_REFUSALS, ids=["-".join(map(str, s[:5])) + (
+    "-no-grads" if s[5] else "") for s in ZERO_REFUSALS])
+def test_zero_refuses_a_group_key_on_every_rank_before_any_rank_steps(zero_refusal_world, spec):
+    cls_name, _, key, value, gi, no_grads = spec
+    if key == "decoupled_weight_decay" and \
+            "decoupled_weight_decay" not in torch.optim.AdamW([torch.zeros(1)]).defaults:
+        pytest.skip("this torch's AdamW has no decoupled_weight_decay key")
+    raised = zero_refusal_world.values(f"refusal{ZERO_REFUSALS.index(spec)}")
+    if no_grads:
+        assert raised == [None] * len(raised)
+        return
+    want = "AssertionError" if key == "capturable" else "ValueError"
+    for rank, (kind, text) in enumerate(raised):
+        assert kind == want, f"rank {rank} raised {kind}: {text}"
+        assert key in text and f"param group {gi}" in text, f"rank {rank}: {text}"

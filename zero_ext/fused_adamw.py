@@ -121,25 +121,91 @@ def _refuse_unsupported_keys(param_groups, state) -> None:
                              "torch.optim.Adam for L2 weight decay")
 
 
+def _capturable_assertion(devices, gi: int, where: str, step_type: Optional[str],
+                          who: str = "FusedAdamW") -> AssertionError:
+    """torch's AssertionError for a capturable step over params or counts it cannot take."""
+    counts = f", their step counts on {step_type}" if step_type else ""
+    return AssertionError(
+        "If capturable=True, params and state_steps must be on supported devices: "
+        f"{devices}. ({who}: param group {gi} has capturable=True, set after construction; "
+        f"its params are on {where}{counts}"
+        + ("; FusedAdamW does not support capturable=True)" if who == "FusedAdamW" else ")"))
+
+
+def _step_type(key: Tensor, st) -> str:
+    step = st.get("step") if st else None
+    # a param's first step makes its count on its own device in a capturable group
+    return key.device.type if step is None else (
+        step.device.type if isinstance(step, Tensor) else "cpu")
+
+
 def _refuse_capturable(group, gi: int, state) -> None:
     devices = _capturable_devices()
     for p in group["params"]:
         if p.grad is None:
             continue  # (torch checks the params it steps)
-        st = state.get(p)  # (no entry made: state is a defaultdict)
-        step = st.get("step") if st else None
-        # a param's first step makes its count on its own device in a capturable group
-        step_type = p.device.type if step is None else (
-            step.device.type if isinstance(step, Tensor) else "cpu")
+        step_type = _step_type(p, state.get(p))  # (no entry made: state is a defaultdict)
         if p.device.type not in devices or step_type != p.device.type:
-            raise AssertionError(
-                "If capturable=True, params and state_steps must be on supported devices: "
-                f"{devices}. (FusedAdamW: param group {gi} has capturable=True, set after "
-                f"construction; its params are on {p.device.type}, their step counts on "
-                f"{step_type}; FusedAdamW does not support capturable=True)")
+            raise _capturable_assertion(devices, gi, p.device.type, step_type)
         raise ValueError(f"FusedAdamW does not support capturable=True (CUDA graph capture): "
                          f"param group {gi} has it, set after construction; use "
                          "torch.optim.AdamW(capturable=True)")
+
+
+def group_keys_to_check(optimizer_class, param_groups) -> bool:
+    """Whether `sharded_step_refusal` has anything to look at (every rank answers alike)."""
+    fused_class = isinstance(optimizer_class, type) and issubclass(optimizer_class, FusedAdamW)
+    return any(g.get("capturable", False)
+               or (fused_class and not g.get("decoupled_weight_decay", True))
+               for g in param_groups)
+
+
+def sharded_step_refusal(optimizer_class, param_groups, local_pieces, state
+                         ) -> Optional[BaseException]:
+    """ZeroRedundancyOptimizer: the error its local step would raise part-way through for a
+    group key set since construction, found before any rank steps anything. Torch's step
+    goes group after group, so a rank would step its share of the groups before the one it
+    raises for, and the ranks that own none of that group would step all of theirs: the
+    replicas would part. Decided from what every rank sees alike (the groups, every param's
+    device and whether it has a grad) and from this rank's step counts (`local_pieces`:
+    (group index, key, the param it stands for) of its share); the step agrees on it.
+
+    - ``capturable=True``: torch's AssertionError where a param with a grad (or, for this
+      rank's share, its key or step count) is on a device type the capturable step refuses;
+      FusedAdamW's ValueError (it captures nothing) wherever a param of the group has a grad.
+    - FusedAdamW with ``decoupled_weight_decay=False``: its ValueError.
+    Returns None when nothing is refused (no group has either key: two dict lookups each)."""
+    fused_class = isinstance(optimizer_class, type) and issubclass(optimizer_class, FusedAdamW)
+    flagged = [gi for gi, g in enumerate(param_groups) if g.get("capturable", False)]
+    if fused_class:
+        for gi, g in enumerate(param_groups):
+            if not g.get("decoupled_weight_decay", True):
+                return ValueError(f"FusedAdamW always decouples weight decay (param group "
+                                  f"{gi}: decoupled_weight_decay=False was set after "
+                                  "construction); use torch.optim.Adam for L2 weight decay")
+    if not flagged:
+        return None
+    devices = _capturable_devices()
+    who = "FusedAdamW" if fused_class else "ZeroRedundancyOptimizer"
+    stepping = set()
+    for gi in flagged:
+        for p in param_groups[gi]["params"]:
+            if p.grad is None:
+                continue  # (torch checks the params it steps)
+            stepping.add(gi)
+            if p.device.type not in devices:
+                return _capturable_assertion(devices, gi, p.device.type, None, who)
+    for gi, key, source in local_pieces:
+        if gi in stepping and source.grad is not None:
+            step_type = _step_type(key, state.get(key))
+            if key.device.type not in devices or step_type != key.device.type:
+                return _capturable_assertion(devices, gi, key.device.type, step_type, who)
+    if fused_class and stepping:
+        gi = min(stepping)
+        return ValueError(f"FusedAdamW does not support capturable=True (CUDA graph capture): "
+                          f"param group {gi} has it, set after construction; use "
+                          "torch.optim.AdamW(capturable=True)")
+    return None
 
 
 def _validate_hparams(lr, betas, eps, weight_decay, where: str = "") -> None:

@@ -23,7 +23,8 @@ from . import amp, grad_norm
 from . import groups as groups_mod
 from . import hybrid, kernels, launcher, layout, offload, state, tracked_state
 from .agree import agree, agree_on_inputs, call_and_agree, rendezvous
-from .fused_adamw import FusedAdamW, fused_path_supported, keep_step_eager
+from .fused_adamw import (FusedAdamW, fused_path_supported, group_keys_to_check,
+                          keep_step_eager, sharded_step_refusal)
 from .local_step import FusedShardStep
 from .param_gather import ParamGather, guard_shutdown
 from .precision import found_inf_flag, generic_precision, kernel_divisor, scale_factor
@@ -540,7 +541,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # a closure whose backward may run the hook is checked after it ran)
         hooked, hook_error, closure = self.hook_seam.check_step(closure, found_inf is not None)
         inf_error = closure_error or inf_error or hook_error
-        if self._replicas.overlapped or found_inf is not None or hooked or ran_closure:
+        # a group key set since construction that the local step would refuse part-way
+        # (capturable=True on the CPU): refused on every rank before any rank steps
+        check_keys = group_keys_to_check(self.optimizer_class, self.param_groups)
+        if check_keys and inf_error is None:
+            inf_error = sharded_step_refusal(
+                self.optimizer_class, self.param_groups,
+                ((lp.group, lp.key, self.plan.params[lp.param_id]) for lp in self.plan.local),
+                self.optim.state)
+        if (self._replicas.overlapped or found_inf is not None or hooked or ran_closure
+                or check_keys):
             # Buckets sent from inside the local step (overlapped) must be laid out alike
             # before anything is stepped; GradScaler's verdict and a hook's verdict on the
             # grads must be known before anything is stepped: agree first. (A param the

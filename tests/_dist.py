@@ -124,6 +124,11 @@ def _store_barrier(store, key: str, world_size: int, timeout_s: float = BARRIER_
         time.sleep(0.002)
 
 
+def _destroy_holds_the_gil(torch) -> bool:
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return (major, minor) < (2, 8)
+
+
 def _worker(rank: int, world_size: int, store_path: str, log_path: str, q, job):
     # Everything this rank prints (and a crash report) goes to its own log file.
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -174,6 +179,17 @@ def _worker(rank: int, world_size: int, store_path: str, log_path: str, q, job):
                     payload = pickle.dumps(_exc_outcome(rank, exc))
                 q.put(("result", rank, name, payload))
         q.put(("progress", rank, "<shutdown>"))
+        if _destroy_holds_the_gil(torch):
+            # torch < 2.8 destroys a gloo group with the GIL held, while a gloo worker still
+            # dropping a finished collective's tensors may need it: both wait forever
+            # (torch's own hang, fixed in 2.8; seen on 2.6.0 in a test whose rank built no
+            # optimizer). A pause with the GIL free lets the workers finish first. zero_ext's
+            # own release without the GIL is tested where scenarios destroy their groups
+            # themselves (test_shutdown_and_amp_internals.py), before this point.
+            import gc
+
+            gc.collect()
+            time.sleep(0.1)
         try:
             dist.destroy_process_group()
         except Exception:

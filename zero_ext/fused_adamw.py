@@ -116,9 +116,19 @@ def _refuse_unsupported_keys(param_groups, state) -> None:
         if g.get("capturable", False):
             _refuse_capturable(g, gi, state)
         if not g.get("decoupled_weight_decay", True):
-            raise ValueError(f"FusedAdamW always decouples weight decay (param group {gi}: "
-                             "decoupled_weight_decay=False was set after construction); use "
-                             "torch.optim.Adam for L2 weight decay")
+            raise _coupled_decay_refused(gi)
+
+
+def _coupled_decay_refused(gi: int) -> ValueError:
+    return ValueError(f"FusedAdamW always decouples weight decay (param group {gi}: "
+                      "decoupled_weight_decay=False was set after construction); use "
+                      "torch.optim.Adam for L2 weight decay")
+
+
+def _capturable_refused(gi: int) -> ValueError:
+    return ValueError(f"FusedAdamW does not support capturable=True (CUDA graph capture): "
+                      f"param group {gi} has it, set after construction; use "
+                      "torch.optim.AdamW(capturable=True)")
 
 
 def _capturable_assertion(devices, gi: int, where: str, step_type: Optional[str],
@@ -147,14 +157,16 @@ def _refuse_capturable(group, gi: int, state) -> None:
         step_type = _step_type(p, state.get(p))  # (no entry made: state is a defaultdict)
         if p.device.type not in devices or step_type != p.device.type:
             raise _capturable_assertion(devices, gi, p.device.type, step_type)
-        raise ValueError(f"FusedAdamW does not support capturable=True (CUDA graph capture): "
-                         f"param group {gi} has it, set after construction; use "
-                         "torch.optim.AdamW(capturable=True)")
+        raise _capturable_refused(gi)
+
+
+def _is_fused_adamw_class(optimizer_class) -> bool:
+    return isinstance(optimizer_class, type) and issubclass(optimizer_class, FusedAdamW)
 
 
 def group_keys_to_check(optimizer_class, param_groups) -> bool:
     """Whether `sharded_step_refusal` has anything to look at (every rank answers alike)."""
-    fused_class = isinstance(optimizer_class, type) and issubclass(optimizer_class, FusedAdamW)
+    fused_class = _is_fused_adamw_class(optimizer_class)
     return any(g.get("capturable", False)
                or (fused_class and not g.get("decoupled_weight_decay", True))
                for g in param_groups)
@@ -175,14 +187,12 @@ def sharded_step_refusal(optimizer_class, param_groups, local_pieces, state
       FusedAdamW's ValueError (it captures nothing) wherever a param of the group has a grad.
     - FusedAdamW with ``decoupled_weight_decay=False``: its ValueError.
     Returns None when nothing is refused (no group has either key: two dict lookups each)."""
-    fused_class = isinstance(optimizer_class, type) and issubclass(optimizer_class, FusedAdamW)
+    fused_class = _is_fused_adamw_class(optimizer_class)
     flagged = [gi for gi, g in enumerate(param_groups) if g.get("capturable", False)]
     if fused_class:
         for gi, g in enumerate(param_groups):
             if not g.get("decoupled_weight_decay", True):
-                return ValueError(f"FusedAdamW always decouples weight decay (param group "
-                                  f"{gi}: decoupled_weight_decay=False was set after "
-                                  "construction); use torch.optim.Adam for L2 weight decay")
+                return _coupled_decay_refused(gi)
     if not flagged:
         return None
     devices = _capturable_devices()
@@ -201,10 +211,7 @@ def sharded_step_refusal(optimizer_class, param_groups, local_pieces, state
             if key.device.type not in devices or step_type != key.device.type:
                 return _capturable_assertion(devices, gi, key.device.type, step_type, who)
     if fused_class and stepping:
-        gi = min(stepping)
-        return ValueError(f"FusedAdamW does not support capturable=True (CUDA graph capture): "
-                          f"param group {gi} has it, set after construction; use "
-                          "torch.optim.AdamW(capturable=True)")
+        return _capturable_refused(min(stepping))
     return None
 
 

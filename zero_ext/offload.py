@@ -525,6 +525,20 @@ class HostShard:
             st = self._streams[dev] = torch.cuda.Stream(device=dev)
         return st
 
+    def _side(self, dev: torch.device, after_current: bool = True):
+        """Where the hook's copies, their check and the re-sends run: on a GPU the side
+        stream (made to wait for the current stream's work so far, unless `after_current`
+        is False), on the CPU in place. `_record_side_event` marks its end."""
+        if not _is_cuda(dev):
+            return _NO_STREAM
+        side = self._stream(dev)
+        if after_current:
+            side.wait_stream(torch.cuda.current_stream(dev))
+        return torch.cuda.stream(side)
+
+    def _record_side_event(self, dev: torch.device) -> None:
+        self._record_event(dev, self._streams.get(dev))
+
     def _record_event(self, dev: torch.device, stream=None) -> None:
         if _is_cuda(dev):
             ev = torch.cuda.Event()
@@ -625,10 +639,7 @@ class HostShard:
         for dev in {self.buffers[w.buf].device for w in checked}:
             hook_fp, step_fp, host_flags = self._fingerprint_rows(dev)
             cuda = _is_cuda(dev)
-            if cuda:
-                side = self._stream(dev)
-                side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side) if cuda else _NO_STREAM:
+            with self._side(dev):
                 for w in checked:
                     b = self.buffers[w.buf]
                     if b.device == dev:
@@ -637,7 +648,7 @@ class HostShard:
                 differ = torch.ne(hook_fp, step_fp).any(1)
                 if cuda:
                     host_flags.copy_(differ, non_blocking=True)
-                    self._record_event(dev, side)
+                    self._record_side_event(dev)
                 flags[dev] = host_flags if cuda else differ
         self._checking = (checked, srcs, flags)
         return early
@@ -664,14 +675,12 @@ class HostShard:
         if not changed:
             return
         for dev in {self.buffers[w.buf].device for w in changed}:
-            cuda = _is_cuda(dev)
-            side = self._stream(dev) if cuda else None
-            with torch.cuda.stream(side) if cuda else _NO_STREAM:
+            with self._side(dev, after_current=False):
                 for w in changed:
                     b = self.buffers[w.buf]
                     if b.device == dev:
                         _to_host(b, b.grads, w, [srcs[s.index] for s in w.slots], hook=True)
-                self._record_event(dev, side)
+                self._record_side_event(dev)
         n = sum(len(w.slots) for w in changed)
         self.sent_again += n
         self.pulled_early -= n
@@ -746,17 +755,12 @@ class HostShard:
         dev = self.buffers[slots[0].buffer].device
         hook_fp = self._fingerprint_rows(dev)[0]
         windows = _windows(self.buffers, slots)
-        cuda = _is_cuda(dev)
-        if cuda:
-            side = self._stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side) if cuda else _NO_STREAM:
+        with self._side(dev):
             for w in windows:
                 b = self.buffers[w.buf]
                 _to_host(b, b.grads, w, [srcs[s.index] for s in w.slots], hook=True,
                          fp=hook_fp[w.slots[0].index])
-            if cuda:
-                self._record_event(dev, side)
+            self._record_side_event(dev)
         self._hook_windows.extend(windows)
         self._early.update(s.index for s in slots)
 

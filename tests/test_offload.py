@@ -337,6 +337,18 @@ def test_hybrid_layout_two_replicas_of_two_shards(sharding, hook):
 # --------------------------------------------------------------------------- state dicts
 
 
+def _trained(rank, cfg, iters):
+    """DDP + torch.optim.AdamW and DDP + the offloaded optimizer (cfg) on the world's
+    group, both `iters` iterations in: (ref, zero, their optimizers)."""
+    ref, zero = _models(cfg, None)
+    o_ref = torch.optim.AdamW(_groups(ref.module), **HP)
+    o_zero = _zero(_groups(zero.module), cfg, None)
+    for it in range(iters):
+        _iteration(rank, it, ref, o_ref, cfg, True)
+        _iteration(rank, it, zero, o_zero, cfg, False)
+    return ref, zero, o_ref, o_zero
+
+
 def _state_dict_flows(rank, world, sharding, offload):
     """A torch-format state_dict of the offloaded optimizer equals torch's AdamW's after the
     same steps and loads into a plain AdamW; torch's AdamW's dict loads into a fresh
@@ -344,12 +356,7 @@ def _state_dict_flows(rank, world, sharding, offload):
     import torch.distributed as dist
 
     cfg = dict(sharding=sharding, offload=offload, clip=True)
-    ref, zero = _models(cfg, None)
-    o_ref = torch.optim.AdamW(_groups(ref.module), **HP)
-    o_zero = _zero(_groups(zero.module), cfg, None)
-    for it in range(3):
-        _iteration(rank, it, ref, o_ref, cfg, True)
-        _iteration(rank, it, zero, o_zero, cfg, False)
+    ref, zero, o_ref, o_zero = _trained(rank, cfg, 3)
     o_zero.consolidate_state_dict(0)
     sd = o_zero.state_dict()
     ref_sd = o_ref.state_dict()
@@ -392,12 +399,7 @@ def _save_phase(rank, world, path, sharding, offload, dtype):
     from zero_ext import checkpoint
 
     cfg = dict(sharding=sharding, offload=offload, clip=True, dtype=dtype)
-    ref, zero = _models(cfg, None)
-    o_ref = torch.optim.AdamW(_groups(ref.module), **HP)
-    o_zero = _zero(_groups(zero.module), cfg, None)
-    for it in range(3):
-        _iteration(rank, it, ref, o_ref, cfg, True)
-        _iteration(rank, it, zero, o_zero, cfg, False)
+    ref, zero, o_ref, o_zero = _trained(rank, cfg, 3)
     checkpoint.save(o_zero, os.path.join(path, "optim"))
     if rank == 0:
         torch.save({"ref_model": ref.module.state_dict(), "ref_opt": o_ref.state_dict(),

@@ -20,25 +20,13 @@ import pytest
 import torch
 
 from _dist import gloo_available, run_specs
+from test_offload import _Net  # (the model test_offload compares with DDP + AdamW)
 
 pytestmark = pytest.mark.skipif(not gloo_available(), reason="needs torch.distributed with gloo")
 
 TOL = dict(atol=1e-6, rtol=1e-6)
 HP = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99))
 MAX_NORM = 0.05
-
-
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Linear(12, 24)
-        self.mid = torch.nn.Linear(24, 40)
-        self.norm = torch.nn.LayerNorm(40)
-        self.head = torch.nn.Linear(40, 5)
-
-    def forward(self, x):
-        return self.head(self.norm(torch.relu(self.mid(torch.relu(self.emb(x))))))
 
 
 def _edit(model, opt, edit: str, is_ref: bool, scaler) -> None:
